@@ -1,0 +1,294 @@
+"""`crossfed data prepare`: corpus shards -> tokenizer.json -> train.bin / val.bin / meta.json."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+from crossfed.train.corpus import (
+    CorpusError,
+    atomic_file,
+    iter_documents,
+    resolve_inputs,
+    write_embedded_corpus,
+)
+from crossfed.train.tokenizer import (
+    TOKENIZER_FILE,
+    TokenizerError,
+    eos_id,
+    load_tokenizer,
+    train_tokenizer,
+)
+from crossfed.train.windows import (
+    META_FILE,
+    Progress,
+    WindowStore,
+    WindowStoreError,
+    read_meta,
+    write_meta,
+    write_windows,
+)
+
+CORPUS_DIR = "corpus"
+CREATED_BY = "crossfed data prepare"
+DEFAULT_VOCAB_SIZE = 4096
+DEFAULT_SEQ_LEN = 128
+DEFAULT_VAL_FRACTION = 0.05
+DEFAULT_SHARDS = 4
+TOKENIZER_TRAIN_CHARS = 256 << 20  # a trained tokenizer sees at most this much text
+PROGRESS_EVERY_S = 5.0
+
+Log = Callable[[str], None]
+
+
+class PrepareError(ValueError):
+    """Invalid `crossfed data prepare` parameters."""
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_params(vocab_size: int, seq_len: int, val_fraction: float, shards: int) -> None:
+    if seq_len < 1:
+        raise PrepareError(f"--seq-len must be at least 1, got {seq_len}")
+    if vocab_size < 257:
+        raise PrepareError(f"--vocab-size must be at least 257, got {vocab_size}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise PrepareError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if shards < 1:
+        raise PrepareError(f"--shards must be at least 1, got {shards}")
+
+
+def _params(
+    *,
+    embedded: bool,
+    trained: bool,
+    vocab_size: int,
+    seq_len: int,
+    val_fraction: float,
+    shards: int,
+) -> dict:
+    return {
+        "corpus": "embedded" if embedded else "inputs",
+        "python": platform.python_version() if embedded else None,
+        "shards": shards if embedded else None,
+        "tokenizer": "trained" if trained else "given",
+        "vocab_size": vocab_size if trained else None,
+        "seq_len": seq_len,
+        "val_fraction": val_fraction,
+    }
+
+
+def _up_to_date(
+    out_dir: Path, params: dict, sources: list[Path] | None, tokenizer: Path | None
+) -> dict | None:
+    """The existing meta if ``out_dir`` already holds exactly this preparation, else None."""
+    try:
+        meta = read_meta(out_dir)
+        for split in ("train", "val"):
+            if split == "train" or meta.get("n_val_windows"):
+                WindowStore.open(out_dir, split)
+    except WindowStoreError:
+        return None
+    if meta.get("params") != params or meta.get("created_by") != CREATED_BY:
+        return None
+    if sources is None:  # embedded corpus: the shards recorded in meta must be intact
+        sources = [out_dir / CORPUS_DIR / name for name in meta.get("source", [])]
+    if [p.name for p in sources] != meta.get("source"):
+        return None
+    if not all(p.is_file() for p in sources):
+        return None
+    if [sha256_file(p) for p in sources] != meta.get("source_sha256"):
+        return None
+    tok_path = out_dir / TOKENIZER_FILE
+    if not tok_path.is_file() or sha256_file(tok_path) != meta.get("tokenizer_sha256"):
+        return None
+    if tokenizer is not None and sha256_file(tokenizer) != meta.get("tokenizer_sha256"):
+        return None
+    return meta
+
+
+def _write_corpus(corpus_dir: Path, shards: int, log: Log) -> list[Path]:
+    paths = write_embedded_corpus(corpus_dir, shards)
+    keep = {p.name for p in paths}
+    for stale in corpus_dir.glob("c4-train.*-of-*.json.gz"):
+        if stale.name not in keep:
+            stale.unlink()
+    size = sum(p.stat().st_size for p in paths)
+    log(f"corpus: wrote {len(paths)} embedded shard(s) to {corpus_dir} ({size / 1e6:.2f} MB gz)")
+    return paths
+
+
+def _limited(docs: Iterable[str], max_chars: int, counts: list[int]) -> Iterator[str]:
+    for doc in docs:
+        if counts[1] >= max_chars:
+            return
+        counts[0] += 1
+        counts[1] += len(doc)
+        yield doc
+
+
+def _install_tokenizer(
+    out_dir: Path, tokenizer: Path | None, sources: list[Path], vocab_size: int, log: Log
+) -> Path:
+    target = out_dir / TOKENIZER_FILE
+    if tokenizer is not None:
+        if tokenizer.resolve() != target.resolve():
+            data = tokenizer.read_bytes()
+            with atomic_file(target) as f:
+                f.write(data)
+        log(f"tokenizer: using {tokenizer} as-is")
+        return target
+    counts = [0, 0]
+    docs = _limited(iter_documents(sources), TOKENIZER_TRAIN_CHARS, counts)
+    train_tokenizer(docs, vocab_size, target)
+    log(
+        f"tokenizer: trained byte-level BPE, vocab {vocab_size}, on {counts[0]} documents "
+        f"({counts[1] / 1e6:.2f} M chars)"
+    )
+    return target
+
+
+def prepare(
+    out_dir: Path,
+    *,
+    inputs: Sequence[Path] | None = None,
+    tokenizer: Path | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    shards: int = DEFAULT_SHARDS,
+    force: bool = False,
+    log: Log = _print,
+) -> dict:
+    """Prepare a window store in ``out_dir`` and return its meta (skips work when current)."""
+    started = time.monotonic()
+    _check_params(vocab_size, seq_len, val_fraction, shards)
+    out_dir = Path(out_dir)
+    if tokenizer is not None:
+        tokenizer = Path(tokenizer)
+        tokenizer = tokenizer / TOKENIZER_FILE if tokenizer.is_dir() else tokenizer
+        load_tokenizer(tokenizer)  # fail early on a missing or invalid file
+    sources = resolve_inputs(inputs) if inputs else None
+    params = _params(
+        embedded=sources is None,
+        trained=tokenizer is None,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        val_fraction=val_fraction,
+        shards=shards,
+    )
+    if not force and (meta := _up_to_date(out_dir, params, sources, tokenizer)):
+        log(f"prepare: {out_dir} is up to date ({meta['n_windows']} train windows); nothing to do")
+        return meta
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / META_FILE).unlink(missing_ok=True)  # a store is valid only once meta.json is back
+    if sources is None:
+        sources = _write_corpus(out_dir / CORPUS_DIR, shards, log)
+    tok_path = _install_tokenizer(out_dir, tokenizer, sources, vocab_size, log)
+    tok = load_tokenizer(tok_path)
+    eos = eos_id(tok)
+
+    last = [time.monotonic()]
+
+    def report(p: Progress) -> None:
+        if time.monotonic() - last[0] >= PROGRESS_EVERY_S:
+            last[0] = time.monotonic()
+            log(f"windows: {p.documents} documents, {p.tokens} tokens, {p.windows} windows")
+
+    meta = write_windows(
+        iter_documents(sources),
+        tok,
+        out_dir,
+        seq_len=seq_len,
+        eos=eos,
+        val_fraction=val_fraction,
+        progress=report,
+    )
+    meta.update(
+        tokenizer_sha256=sha256_file(tok_path),
+        source=[p.name for p in sources],
+        source_sha256=[sha256_file(p) for p in sources],
+        params=params,
+        created_by=CREATED_BY,
+    )
+    write_meta(out_dir, meta)
+    log(
+        f"windows: {meta['n_documents']} documents, {meta['n_tokens']} tokens, "
+        f"{meta['n_windows'] + meta['n_val_windows']} windows"
+    )
+    log(
+        f"prepare: wrote {out_dir}: {meta['n_windows']} train + {meta['n_val_windows']} val "
+        f"windows of {meta['window_len']} {meta['dtype']} tokens (vocab {meta['vocab_size']}, "
+        f"eos {meta['eos_id']}, {meta['n_tokens_dropped']} tail tokens dropped) "
+        f"in {time.monotonic() - started:.1f} s"
+    )
+    return meta
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``prepare`` subcommand on ``subparsers``."""
+    parser = subparsers.add_parser(
+        "prepare",
+        help="tokenise a corpus into fixed windows (train.bin, val.bin, meta.json)",
+        description=(
+            "Tokenise C4-format shards (or, with no --input, an embedded corpus of Python's own "
+            "documentation) into fixed windows of seq_len + 1 tokens for training."
+        ),
+    )
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument(
+        "--input",
+        type=Path,
+        action="append",
+        default=None,
+        help="C4 shard file or directory of *.json.gz / *.jsonl(.gz) (repeatable; "
+        "default: the embedded corpus)",
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="existing HF tokenizer.json (default: train)"
+    )
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
+    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    parser.add_argument(
+        "--shards", type=int, default=DEFAULT_SHARDS, help="shards of the embedded corpus"
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of `crossfed data prepare`; returns the exit code."""
+    try:
+        prepare(
+            args.out,
+            inputs=args.input,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            seq_len=args.seq_len,
+            val_fraction=args.val_fraction,
+            shards=args.shards,
+            force=args.force,
+        )
+    except (PrepareError, CorpusError, TokenizerError, WindowStoreError) as exc:
+        print(f"crossfed data prepare: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
