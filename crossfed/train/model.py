@@ -1,0 +1,134 @@
+"""torchtitan's Qwen3 for crossfed: flavours by name, CPU/GPU attention, flat parameter maps.
+
+Named flavours come from torchtitan's own registry (``0.6B``, ``1.7B``, ...) plus crossfed's
+small CPU flavours built from the same torchtitan config classes. The tokenizer's vocabulary
+sets the embedding size. FlexAttention has no backward on CPU, so CPU models use torchtitan's
+``ScaledDotProductAttention`` (causal); GPU models keep flex.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.qwen3 import (
+    _EMBEDDING_SKIP_INIT,
+    _LINEAR_INIT,
+    Qwen3Model,
+    _build_qwen3_layers,
+    _qwen3_norm,
+    qwen3_configs,
+)
+
+
+class ModelConfigError(ValueError):
+    """An unknown flavour or an impossible model setting."""
+
+
+def _small(
+    *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden_dim: int
+) -> Callable[[str], Qwen3Model.Config]:
+    """A dense Qwen3 flavour of the given size, built with torchtitan's config builders."""
+
+    def build(attn_backend: str) -> Qwen3Model.Config:
+        head_dim = dim // n_heads
+        vocab = 4096
+        return Qwen3Model.Config(
+            vocab_size=vocab,
+            dim=dim,
+            norm=_qwen3_norm(dim),
+            enable_weight_tying=True,
+            tok_embeddings=Embedding.Config(
+                num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_SKIP_INIT
+            ),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+            layers=_build_qwen3_layers(
+                n_layers=n_layers,
+                dim=dim,
+                n_heads=n_heads,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                hidden_dim=hidden_dim,
+                attn_backend=attn_backend,
+                rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1_000_000.0),
+            ),
+        )
+
+    return build
+
+
+#: crossfed's own CPU-sized flavours; every torchtitan Qwen3 flavour is available too.
+LOCAL_FLAVOURS: dict[str, Callable[[str], Qwen3Model.Config]] = {
+    "tiny": _small(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=384),
+    "small": _small(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, hidden_dim=768),
+}
+
+
+def flavour_names() -> list[str]:
+    """Every flavour name ``build_model`` accepts."""
+    return sorted(LOCAL_FLAVOURS) + sorted(qwen3_configs)
+
+
+def model_config(flavour: str, *, vocab_size: int, device: str = "cpu") -> Qwen3Model.Config:
+    """The torchtitan config of ``flavour`` with the tokenizer's vocabulary and device's attention."""
+    factory = LOCAL_FLAVOURS.get(flavour) or qwen3_configs.get(flavour)
+    if factory is None:
+        raise ModelConfigError(
+            f"unknown model flavour {flavour!r}; choose one of {', '.join(flavour_names())}"
+        )
+    if vocab_size < 2:
+        raise ModelConfigError(f"vocab_size must be >= 2, got {vocab_size}")
+    config = factory("flex")
+    if "moe" in flavour.lower() or any(layer.moe is not None for layer in config.layers):
+        raise ModelConfigError(f"flavour {flavour!r} is a mixture-of-experts model; crossfed trains dense Qwen3")
+    config.vocab_size = vocab_size
+    config.tok_embeddings.num_embeddings = vocab_size
+    config.lm_head.out_features = vocab_size
+    if not device.startswith("cuda"):
+        for layer in config.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+def build_model(
+    flavour: str, *, vocab_size: int, seed: int = 0, device: str = "cpu"
+) -> torch.nn.Module:
+    """A freshly initialised Qwen3 model; the same (flavour, vocab, seed) gives the same weights."""
+    config = model_config(flavour, vocab_size=vocab_size, device=device)
+    with torch.device(device):
+        model = config.build()
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device(device))
+    torch.random.set_rng_state(generator_state)
+    return model
+
+
+def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters by name, tied weights once (the wire and checkpoint layout)."""
+    return {name: p for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` into the model's parameters; every name must match in name and shape."""
+    params = parameters_of(model)
+    missing = sorted(set(params) - set(tensors))
+    extra = sorted(set(tensors) - set(params))
+    if missing or extra:
+        raise ModelConfigError(f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, param in params.items():
+        value = tensors[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ModelConfigError(
+                f"parameter {name}: shape {tuple(value.shape)} != model {tuple(param.shape)}"
+            )
+        param.copy_(value)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of unique trainable parameters."""
+    return sum(p.numel() for p in parameters_of(model).values())

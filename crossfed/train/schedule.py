@@ -1,0 +1,25 @@
+"""The inner learning-rate schedule, indexed by the GLOBAL step so joiners continue it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warmup then cosine decay to ``min_lr_factor * peak_lr`` at ``total_steps``."""
+
+    peak_lr: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 1000
+    min_lr_factor: float = 0.1
+
+    def lr_at(self, global_step: int) -> float:
+        """Learning rate of the optimiser step numbered ``global_step`` (0-based)."""
+        if global_step < self.warmup_steps:
+            return self.peak_lr * (global_step + 1) / self.warmup_steps
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (global_step - self.warmup_steps) / decay_steps)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.peak_lr * (self.min_lr_factor + (1.0 - self.min_lr_factor) * cosine)
