@@ -1,0 +1,233 @@
+"""The coordinator's HTTP API (FastAPI): versioned routes under /v1, bearer tokens per site.
+
+Every request is short: waiting is done by clients polling with backoff, so sites behind an
+HTTP forward proxy that reaps long connections work the same as direct ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel, Field
+
+from crossfed.coordinator.blobs import BlobError
+from crossfed.coordinator.runspec import RunSpec, RunSpecError
+from crossfed.coordinator.service import Coordinator, CoordinatorError
+
+log = logging.getLogger("crossfed.coordinator")
+ADMIN = "__admin__"
+
+
+class Tokens:
+    """Bearer tokens: one per site plus an admin token, compared in constant time."""
+
+    def __init__(self, admin: str, sites: dict[str, str]) -> None:
+        self.pairs = [(admin, ADMIN)] + [(tok, site) for site, tok in sites.items()]
+
+    @classmethod
+    def load(cls, path: Path) -> Tokens:
+        data = yaml.safe_load(path.read_text()) or {}
+        if "admin" not in data or not isinstance(data.get("sites", {}), dict):
+            raise ValueError(f"{path}: a secrets file needs 'admin' and a 'sites' mapping")
+        return cls(str(data["admin"]), {str(k): str(v) for k, v in data.get("sites", {}).items()})
+
+    def identify(self, token: str) -> str | None:
+        found = None
+        for candidate, who in self.pairs:
+            if hmac.compare_digest(candidate.encode(), token.encode()):
+                found = who
+        return found
+
+
+class RegisterBody(BaseModel):
+    digest: str = Field(min_length=1, max_length=128)
+    ranks: int = Field(ge=1, le=1_000_000)
+    rtt_ms: float | None = Field(default=None, ge=0, le=600_000)
+
+
+class LeaseBody(BaseModel):
+    site: str = Field(min_length=1, max_length=64)
+    round: int = Field(ge=1)
+    n_blocks: int = Field(ge=1, le=10_000_000)
+    t_step_s: float | None = Field(default=None, ge=0, le=86_400)
+    rtt_ms: float | None = Field(default=None, ge=0, le=600_000)
+
+
+class HeartbeatBody(BaseModel):
+    site: str = Field(min_length=1, max_length=64)
+    consumed: int = Field(ge=0)
+    t_step_s: float | None = Field(default=None, ge=0, le=86_400)
+
+
+class SiteBody(BaseModel):
+    site: str = Field(min_length=1, max_length=64)
+
+
+class DeltaBody(BaseModel):
+    site: str = Field(min_length=1, max_length=64)
+    lease_id: int = Field(ge=0)
+    generation: int = Field(ge=0)
+    tokens: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    consumed: int = Field(ge=1)
+    blob: str = Field(min_length=64, max_length=64)
+    loss: float | None = None
+    compute_s: float | None = Field(default=None, ge=0)
+
+
+def create_app(
+    coordinator: Coordinator,
+    tokens: Tokens,
+    *,
+    tick_s: float = 0.25,
+    max_blob_bytes: int = 8 * 1024**3,
+) -> FastAPI:
+    """The ASGI app; a background thread ticks the coordinator (lease expiry, round close)."""
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.wait(tick_s):
+            try:
+                coordinator.tick()
+            except Exception:  # keep serving; the next tick retries
+                log.exception("coordinator tick failed")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        thread = threading.Thread(target=ticker, name="crossfed-tick", daemon=True)
+        thread.start()
+        yield
+        stop.set()
+        thread.join(timeout=10)
+
+    app = FastAPI(title="crossfed coordinator", version="1", lifespan=lifespan)
+
+    @app.exception_handler(CoordinatorError)
+    async def _coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content={"error": exc.code, "detail": exc.message})
+
+    @app.exception_handler(BlobError)
+    async def _blob_error(_: Request, exc: BlobError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content={"error": "bad_blob", "detail": str(exc)})
+
+    @app.exception_handler(RunSpecError)
+    async def _spec_error(_: Request, exc: RunSpecError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"error": "bad_run_spec", "detail": str(exc)})
+
+    def caller(authorization: Annotated[str | None, Header()] = None) -> str:
+        if not authorization or not authorization.startswith("Bearer "):
+            raise CoordinatorError(401, "unauthenticated", "missing 'Authorization: Bearer <token>'")
+        who = tokens.identify(authorization[len("Bearer ") :])
+        if who is None:
+            raise CoordinatorError(401, "unauthenticated", "unknown token")
+        return who
+
+    Caller = Annotated[str, Depends(caller)]
+
+    def as_site(who: str, site: str) -> None:
+        if who not in (ADMIN, site):
+            raise CoordinatorError(403, "forbidden", f"this token may not act for site {site!r}")
+
+    def as_admin(who: str) -> None:
+        if who != ADMIN:
+            raise CoordinatorError(403, "forbidden", "admin token required")
+
+    async def run(fn, *args, **kwargs) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "run": coordinator.spec is not None}
+
+    @app.post("/v1/run")
+    async def init_run(body: dict[str, Any], who: Caller) -> dict[str, Any]:
+        as_admin(who)
+        return await run(coordinator.init_run, RunSpec.from_dict(body))
+
+    @app.get("/v1/status")
+    async def status(who: Caller) -> dict[str, Any]:
+        return await run(coordinator.status)
+
+    @app.get("/v1/ledger")
+    async def ledger(who: Caller) -> list[dict[str, Any]]:
+        return await run(coordinator.ledger_table)
+
+    @app.post("/v1/sites/{site}/register")
+    async def register(site: str, body: RegisterBody, who: Caller) -> dict[str, Any]:
+        as_site(who, site)
+        return await run(coordinator.register, site, body.digest, body.ranks, body.rtt_ms)
+
+    @app.get("/v1/models/{generation}")
+    async def model(generation: int, who: Caller) -> FileResponse:
+        path = await run(coordinator.global_path, generation)
+        return FileResponse(
+            path,
+            media_type="application/octet-stream",
+            headers={"X-Content-SHA256": coordinator.global_sha256(generation)},
+        )
+
+    @app.get("/v1/rounds/{round_no}")
+    async def round_info(round_no: int, who: Caller) -> dict[str, Any]:
+        return await run(coordinator.round_info, round_no)
+
+    @app.post("/v1/leases")
+    async def lease(body: LeaseBody, who: Caller) -> dict[str, Any]:
+        as_site(who, body.site)
+        return await run(
+            coordinator.lease, body.site, body.round, body.n_blocks, body.t_step_s, body.rtt_ms
+        )
+
+    @app.post("/v1/leases/{lease_id}/heartbeat")
+    async def heartbeat(lease_id: int, body: HeartbeatBody, who: Caller) -> dict[str, Any]:
+        as_site(who, body.site)
+        return await run(coordinator.heartbeat, lease_id, body.site, body.consumed, body.t_step_s)
+
+    @app.post("/v1/leases/{lease_id}/release")
+    async def release(lease_id: int, body: SiteBody, who: Caller) -> dict[str, Any]:
+        as_site(who, body.site)
+        return await run(coordinator.release, lease_id, body.site)
+
+    @app.put("/v1/blobs/{key}", status_code=201)
+    async def put_blob(
+        key: str, request: Request, who: Caller,
+        content_length: Annotated[int | None, Header()] = None,
+    ) -> dict[str, Any]:
+        if content_length is not None and content_length > max_blob_bytes:
+            raise BlobError(f"blob of {content_length} bytes exceeds the {max_blob_bytes}-byte limit", 413)
+        size = await coordinator.blobs.write_stream(key, request.stream(), max_blob_bytes)
+        return {"key": key, "bytes": size}
+
+    @app.post("/v1/rounds/{round_no}/deltas")
+    async def submit(round_no: int, body: DeltaBody, who: Caller) -> dict[str, Any]:
+        as_site(who, body.site)
+        return await run(coordinator.submit, round_no=round_no, **body.model_dump())
+
+    @app.post("/v1/rounds/{round_no}/deltas/inline")
+    async def submit_inline(
+        round_no: int, request: Request, who: Caller,
+        site: str, lease_id: int, generation: int, tokens: int, steps: int, consumed: int,
+        loss: float | None = None, compute_s: float | None = None,
+        x_content_sha256: Annotated[str | None, Header()] = None,
+    ) -> dict[str, Any]:
+        """The delta's bytes inside the round message itself (the paper's inline transport)."""
+        as_site(who, site)
+        if not x_content_sha256:
+            raise CoordinatorError(422, "missing_digest", "inline deltas need an X-Content-SHA256 header")
+        await coordinator.blobs.write_stream(x_content_sha256, request.stream(), max_blob_bytes)
+        body = DeltaBody(
+            site=site, lease_id=lease_id, generation=generation, tokens=tokens, steps=steps,
+            consumed=consumed, blob=x_content_sha256, loss=loss, compute_s=compute_s,
+        )
+        return await run(coordinator.submit, round_no=round_no, **body.model_dump())
+
+    return app

@@ -1,0 +1,149 @@
+"""Where the coordinator is and how to talk to it: the embedded one a workflow starts on
+loopback, or a remote one named by URL; plus the secrets file of per-site tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from crossfed.coordinator.client import CoordinatorClient
+
+ENDPOINT = "endpoint.json"
+
+
+class EndpointError(RuntimeError):
+    """The coordinator cannot be located, started or reached."""
+
+
+def ensure_secrets(path: Path, sites: list[str]) -> dict[str, Any]:
+    """Create (or extend) a secrets file with random tokens; mode 0600."""
+    data: dict[str, Any] = yaml.safe_load(path.read_text()) if path.exists() else {}
+    data = data or {}
+    changed = False
+    if "admin" not in data:
+        data["admin"], changed = secrets.token_urlsafe(32), True
+    data.setdefault("sites", {})
+    for site in sites:
+        if site not in data["sites"]:
+            data["sites"][site], changed = secrets.token_urlsafe(32), True
+    if changed:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(data))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    return data
+
+
+def token_for(config: dict[str, Any], who: str) -> str:
+    """``CROSSFED_TOKEN`` if set, else ``who``'s token ('admin' or a site) from the secrets file."""
+    env = os.environ.get("CROSSFED_TOKEN")
+    if env:
+        return env
+    path = Path(config["coordinator"]["secrets"])
+    if not path.exists():
+        raise EndpointError(f"no CROSSFED_TOKEN in the environment and no secrets file at {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    token = data.get("admin") if who == "admin" else data.get("sites", {}).get(who)
+    if not token:
+        raise EndpointError(f"secrets file {path} has no token for {who!r}")
+    return str(token)
+
+
+def coordinator_url(config: dict[str, Any]) -> str:
+    url = config["coordinator"]["url"]
+    if url != "embedded":
+        return url
+    endpoint = Path(config["coordinator"]["state_dir"]) / ENDPOINT
+    if not endpoint.exists():
+        raise EndpointError(
+            f"embedded coordinator not running: {endpoint} missing (start it with "
+            "'crossfed coordinator start --config ...' or run the workflow)"
+        )
+    return json.loads(endpoint.read_text())["url"]
+
+
+def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorClient:
+    return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 60.0) -> str:
+    """Start the coordinator on loopback in the background (restarting a dead one); its URL."""
+    state_dir = Path(config["coordinator"]["state_dir"])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    stop_embedded(config)
+    secrets_path = Path(config["coordinator"]["secrets"])
+    ensure_secrets(secrets_path, sites)
+    host = config["coordinator"]["host"]
+    port = config["coordinator"]["port"] or free_port(host)
+    log_path = state_dir / "coordinator.log"
+    cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir", str(state_dir),
+           "--secrets", str(secrets_path), "--host", host, "--port", str(port)]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EndpointError(f"coordinator exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise EndpointError(f"coordinator did not answer on {url} within {timeout_s}s; see {log_path}")
+    (state_dir / ENDPOINT).write_text(json.dumps({"url": url, "pid": proc.pid}))
+    return url
+
+
+def stop_embedded(config: dict[str, Any], timeout_s: float = 20.0) -> bool:
+    """Stop the embedded coordinator (SIGTERM, then SIGKILL); True if one was running."""
+    endpoint = Path(config["coordinator"]["state_dir"]) / ENDPOINT
+    if not endpoint.exists():
+        return False
+    pid = json.loads(endpoint.read_text()).get("pid")
+    endpoint.unlink(missing_ok=True)
+    if not pid or not _alive(pid):
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _alive(pid):
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    return True

@@ -1,0 +1,83 @@
+"""What a run is, as the coordinator knows it: block space, model, outer step, policies."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from crossfed.outer import OuterConfig
+from crossfed.train.schedule import LRSchedule
+
+
+class RunSpecError(ValueError):
+    """A run spec that is missing fields or has impossible values."""
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """When a round closes (see ``crossfed.coordinator.rounds.close_decision``)."""
+
+    join_window_s: float = 5.0
+    deadline_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    """DARL lease sizing and TTL: TTL = max(min_ttl_s, alpha*t_step + beta_rtt*RTT)."""
+
+    alpha: float = 2.5
+    beta_rtt: float = 2.0
+    min_ttl_s: float = 10.0
+    initial_ttl_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything the coordinator needs to serve one training run."""
+
+    n_windows: int
+    block_size: int
+    data_seed: int
+    flavour: str
+    vocab_size: int
+    seq_len: int
+    model_seed: int
+    inner_steps: int
+    sites: dict[str, int]  # site name -> ranks
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    rounds: RoundPolicy = field(default_factory=RoundPolicy)
+    leases: LeasePolicy = field(default_factory=LeasePolicy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSpec:
+        try:
+            spec = cls(
+                n_windows=int(data["n_windows"]),
+                block_size=int(data["block_size"]),
+                data_seed=int(data["data_seed"]),
+                flavour=str(data["flavour"]),
+                vocab_size=int(data["vocab_size"]),
+                seq_len=int(data["seq_len"]),
+                model_seed=int(data["model_seed"]),
+                inner_steps=int(data["inner_steps"]),
+                sites={str(k): int(v) for k, v in dict(data["sites"]).items()},
+                outer=OuterConfig(**data.get("outer", {})),
+                schedule=LRSchedule(**data.get("schedule", {})),
+                rounds=RoundPolicy(**data.get("rounds", {})),
+                leases=LeasePolicy(**data.get("leases", {})),
+            )
+        except KeyError as exc:
+            raise RunSpecError(f"run spec is missing field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise RunSpecError(f"run spec has a bad value: {exc}") from exc
+        if spec.n_windows < 1 or spec.block_size < 1:
+            raise RunSpecError("n_windows and block_size must be positive")
+        if spec.inner_steps < 1:
+            raise RunSpecError("inner_steps (H) must be >= 1")
+        if not spec.sites:
+            raise RunSpecError("a run needs at least one site")
+        return spec

@@ -1,0 +1,559 @@
+"""The coordinator's logic: rounds, DARL leases and the merge, wired to SQLite and disk.
+
+HTTP lives in ``app.py``; this class never sees a request. Every state change is written
+to SQLite (one transaction) before the method returns, so whatever a reply promised
+survives a SIGKILL. One lock serialises mutations.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from crossfed.coordinator import store
+from crossfed.coordinator.blobs import BlobStore
+from crossfed.coordinator.rounds import close_decision
+from crossfed.coordinator.runspec import RunSpec
+from crossfed.darl.blockspace import BlockSpace
+from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
+from crossfed.darl.ledger import LedgerStore, apply_event
+from crossfed.outer import DeltaError, outer_step, validate_delta
+from crossfed.train.model import build_model, parameters_of
+from crossfed.transport import save_atomic, sha256_file, to_bf16
+
+log = logging.getLogger("crossfed.coordinator")
+MOMENTUM = "momentum::"
+
+
+class CoordinatorError(Exception):
+    """A refused request; ``status`` is the HTTP status, ``code`` a stable machine-readable word."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class Coordinator:
+    """State of one run: global model, momentum, rounds and the DARL ledger."""
+
+    def __init__(
+        self, state_dir: Path, *, clock: Callable[[], float] = time.time, keep_generations: int = 3
+    ) -> None:
+        self.state_dir = state_dir
+        self.clock = clock
+        self.keep_generations = keep_generations
+        self.lock = threading.RLock()
+        self.conn = store.connect(state_dir / "state.sqlite")
+        self.blobs = BlobStore(state_dir / "blobs")
+        self.models_dir = state_dir / "models"
+        self.ledger = LedgerStore(self.conn)
+        self.spec: RunSpec | None = None
+        self.space: BlockSpace | None = None
+        self.book: LeaseBook | None = None
+        self.master: dict[str, torch.Tensor] = {}
+        self.momentum: dict[str, torch.Tensor] = {}
+        spec = store.get_meta(self.conn, "spec")
+        if spec is not None:
+            self._load(RunSpec.from_dict(spec))
+
+    # ------------------------------------------------------------------ lifecycle
+    def _load(self, spec: RunSpec) -> None:
+        """Rebuild in-memory state from disk after a (re)start."""
+        self.spec = spec
+        self.space = BlockSpace(spec.n_windows, spec.block_size, spec.data_seed)
+        self.book = LeaseBook(self.space.n_blocks)
+        replayed = self.ledger.replay(self.book)
+        generation = store.get_meta(self.conn, "generation", 0)
+        tensors = load_file(str(self._master_path(generation)))
+        self.master = {k: v for k, v in tensors.items() if not k.startswith(MOMENTUM)}
+        self.momentum = {
+            k[len(MOMENTUM) :]: v for k, v in tensors.items() if k.startswith(MOMENTUM)
+        }
+        log.info("loaded run at generation %d (%d ledger events replayed)", generation, replayed)
+
+    def init_run(self, spec: RunSpec) -> dict[str, Any]:
+        """Create the run (generation 0 from the model seed); the same spec again is a no-op."""
+        with self.lock:
+            existing = store.get_meta(self.conn, "spec")
+            if existing is not None:
+                if RunSpec.from_dict(existing) != spec:
+                    raise CoordinatorError(
+                        409,
+                        "run_exists",
+                        "this coordinator already serves a different run; start a new state dir",
+                    )
+                return {"created": False, **self.status()}
+            model = build_model(spec.flavour, vocab_size=spec.vocab_size, seed=spec.model_seed)
+            self.master = {k: v.detach().float().clone() for k, v in parameters_of(model).items()}
+            self.momentum = {}
+            self._write_generation(0)
+            now = self.clock()
+            with store.Transaction(self.conn):
+                store.set_meta(self.conn, "spec", spec.to_dict())
+                store.set_meta(self.conn, "generation", 0)
+                store.set_meta(self.conn, "global_step", 0)
+                self.conn.execute(
+                    "INSERT INTO rounds (round_no, generation, status, opened_at, global_step) "
+                    "VALUES (1, 0, 'open', ?, 0)",
+                    (now,),
+                )
+            self._load(spec)
+            return {"created": True, **self.status()}
+
+    def _require_run(self) -> RunSpec:
+        if self.spec is None:
+            raise CoordinatorError(409, "no_run", "no run initialised; call POST /v1/run first")
+        return self.spec
+
+    # ------------------------------------------------------------------ files
+    def _master_path(self, generation: int) -> Path:
+        return self.models_dir / f"master-{generation:06d}.safetensors"
+
+    def global_path(self, generation: int) -> Path:
+        path = self.models_dir / f"global-{generation:06d}.safetensors"
+        if not path.exists():
+            raise CoordinatorError(404, "unknown_generation", f"no global model for generation {generation}")
+        return path
+
+    def _write_generation(self, generation: int) -> None:
+        """Global bf16 model for sites and fp32 master + momentum for restarts, both atomic."""
+        meta = {"generation": str(generation), "format": "crossfed-global-v1"}
+        master = dict(self.master)
+        master.update({MOMENTUM + k: v for k, v in self.momentum.items()})
+        save_atomic(master, self._master_path(generation), meta)
+        path = self.models_dir / f"global-{generation:06d}.safetensors"
+        save_atomic(to_bf16(self.master), path, meta)
+        store.set_meta(self.conn, f"global_sha256:{generation}", sha256_file(path))
+        for old in range(0, generation - self.keep_generations + 1):
+            for stale in (self._master_path(old), self.models_dir / f"global-{old:06d}.safetensors"):
+                stale.unlink(missing_ok=True)
+
+    def global_sha256(self, generation: int) -> str:
+        return store.get_meta(self.conn, f"global_sha256:{generation}", "")
+
+    # ------------------------------------------------------------------ reads
+    def current_round(self) -> dict[str, Any]:
+        row = self.conn.execute(
+            "SELECT * FROM rounds WHERE status = 'open' ORDER BY round_no DESC LIMIT 1"
+        ).fetchone()
+        return dict(row)
+
+    def round_info(self, round_no: int) -> dict[str, Any]:
+        with self.lock:
+            self._require_run()
+            row = store.round_row(self.conn, round_no)
+            if row is None:
+                current = self.current_round()["round_no"]
+                raise CoordinatorError(
+                    404, "unknown_round", f"round {round_no} does not exist (current: {current})"
+                )
+            row["deltas"] = [
+                {k: d[k] for k in ("site", "tokens", "steps", "consumed", "loss", "compute_s")}
+                for d in store.round_deltas(self.conn, round_no)
+            ]
+            return row
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            spec = self._require_run()
+            assert self.book is not None and self.space is not None
+            current = self.current_round()
+            return {
+                "round": current["round_no"],
+                "generation": current["generation"],
+                "global_step": store.get_meta(self.conn, "global_step", 0),
+                "epoch": self.book.epoch,
+                "blocks_total": self.space.n_blocks,
+                "blocks_committed_in_epoch": self.book.committed_in_epoch,
+                "blocks_committed_total": self.book.committed_total,
+                "digest": self.space.digest(),
+                "inner_steps": spec.inner_steps,
+                "schedule": spec.to_dict()["schedule"],
+                "active_leases": [self._lease_view(lease) for lease in self.book.active_leases()],
+            }
+
+    def ledger_table(self) -> list[dict[str, Any]]:
+        with self.lock:
+            self._require_run()
+            assert self.book is not None
+            ranks = {r["site"]: r["ranks"] for r in self.conn.execute("SELECT * FROM sites")}
+            rtt = {r["site"]: r["rtt_ms"] for r in self.conn.execute("SELECT * FROM sites")}
+            frame = self.ledger.table3(self.book, ranks, rtt)
+            return json.loads(frame.to_json(orient="records"))
+
+    # ------------------------------------------------------------------ sites
+    def _check_site(self, site: str) -> RunSpec:
+        spec = self._require_run()
+        if site not in spec.sites:
+            raise CoordinatorError(
+                404, "unknown_site", f"site {site!r} is not part of this run ({sorted(spec.sites)})"
+            )
+        return spec
+
+    def register(self, site: str, digest: str, ranks: int, rtt_ms: float | None) -> dict[str, Any]:
+        """A site (re)joins: its block-space digest must match; it adopts the current state."""
+        with self.lock:
+            spec = self._check_site(site)
+            assert self.space is not None
+            if digest != self.space.digest():
+                raise CoordinatorError(
+                    409,
+                    "digest_mismatch",
+                    f"dataset digest {digest[:16]}... does not match the run's block space "
+                    f"{self.space.digest()[:16]}... (N={spec.n_windows}, K={spec.block_size}, "
+                    f"seed={spec.data_seed}); prepare the same data with the same settings",
+                )
+            if ranks < 1:
+                raise CoordinatorError(422, "bad_ranks", f"ranks must be >= 1, got {ranks}")
+            now = self.clock()
+            with store.Transaction(self.conn):
+                self._event("register", {"site": site, "now": now})
+                self.conn.execute(
+                    "INSERT INTO sites (site, ranks, rtt_ms, last_seen) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(site) DO UPDATE SET ranks = excluded.ranks, "
+                    "rtt_ms = COALESCE(excluded.rtt_ms, rtt_ms), last_seen = excluded.last_seen",
+                    (site, ranks, rtt_ms, now),
+                )
+            return {
+                "site": site,
+                "n_windows": spec.n_windows,
+                "block_size": spec.block_size,
+                "data_seed": spec.data_seed,
+                "flavour": spec.flavour,
+                "vocab_size": spec.vocab_size,
+                **self.status(),
+            }
+
+    def _event(self, op: str, args: dict[str, Any]) -> Any:
+        """Apply one DARL command to the lease book and record it (inside a transaction)."""
+        assert self.book is not None
+        result = apply_event(self.book, op, args)
+        self.ledger.record(op, args)
+        return result
+
+    def _ttl(self, t_step_s: float | None, rtt_ms: float | None) -> float:
+        policy = self._require_run().leases
+        if not t_step_s:
+            return policy.initial_ttl_s
+        ttl = lease_ttl(t_step_s, (rtt_ms or 0.0) / 1000.0, policy.alpha, policy.beta_rtt)
+        return max(policy.min_ttl_s, ttl)
+
+    def _lease_view(self, lease: Lease) -> dict[str, Any]:
+        assert self.space is not None
+        blocks = self.space.permutation(lease.epoch)[lease.start : lease.end].tolist()
+        return {
+            "lease_id": lease.lease_id,
+            "site": lease.site,
+            "round": lease.round_no,
+            "epoch": lease.epoch,
+            "blocks": blocks,
+            "n_blocks": lease.end - lease.start,
+            "consumed": lease.consumed,
+            "ttl_s": lease.ttl_s,
+            "expires_at": lease.expires_at,
+            "status": lease.status,
+        }
+
+    def lease(
+        self, site: str, round_no: int, n_blocks: int, t_step_s: float | None, rtt_ms: float | None
+    ) -> dict[str, Any]:
+        """Grant a span of blocks for ``round_no`` (or steal one when the pool is dry)."""
+        with self.lock:
+            self._check_site(site)
+            assert self.book is not None
+            current = self.current_round()
+            if round_no != current["round_no"]:
+                raise CoordinatorError(
+                    409,
+                    "round_closed" if round_no < current["round_no"] else "round_not_open",
+                    f"round {round_no} is not open; the current round is {current['round_no']}",
+                )
+            if n_blocks < 1:
+                raise CoordinatorError(422, "bad_size", f"n_blocks must be >= 1, got {n_blocks}")
+            submitted = self.conn.execute(
+                "SELECT 1 FROM deltas WHERE round_no = ? AND site = ?", (round_no, site)
+            ).fetchone()
+            if submitted:
+                raise CoordinatorError(
+                    409, "already_contributed", f"site {site} already contributed to round {round_no}"
+                )
+            now = self.clock()
+            ttl = self._ttl(t_step_s, rtt_ms)
+            try:
+                with store.Transaction(self.conn):
+                    args = {"site": site, "n_blocks": n_blocks, "now": now, "ttl_s": ttl}
+                    lease = self._event("grant", {**args, "round_no": round_no})
+                    if lease is None:
+                        lease = self._event(
+                            "steal", {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
+                        )
+                    self.conn.execute(
+                        "UPDATE sites SET t_step_s = COALESCE(?, t_step_s), "
+                        "rtt_ms = COALESCE(?, rtt_ms), last_seen = ? WHERE site = ?",
+                        (t_step_s, rtt_ms, now, site),
+                    )
+            except LeaseError as exc:
+                raise CoordinatorError(409, exc.code, str(exc)) from exc
+            if lease is None:
+                return {"lease": None, "reason": "pool_empty", "generation": current["generation"]}
+            return {"lease": self._lease_view(lease), "generation": current["generation"]}
+
+    def heartbeat(
+        self, lease_id: int, site: str, consumed: int, t_step_s: float | None
+    ) -> dict[str, Any]:
+        """Refresh a lease's TTL and record progress; the reply shows any steal."""
+        with self.lock:
+            self._check_site(site)
+            now = self.clock()
+            row = self.conn.execute("SELECT rtt_ms FROM sites WHERE site = ?", (site,)).fetchone()
+            ttl = self._ttl(t_step_s, row["rtt_ms"] if row else None)
+            try:
+                with store.Transaction(self.conn):
+                    lease = self._event(
+                        "heartbeat",
+                        {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now, "ttl_s": ttl},
+                    )
+                    self.conn.execute(
+                        "UPDATE sites SET t_step_s = COALESCE(?, t_step_s), last_seen = ? WHERE site = ?",
+                        (t_step_s, now, site),
+                    )
+            except LeaseError as exc:
+                raise CoordinatorError(409, exc.code, str(exc)) from exc
+            return {"lease": self._lease_view(lease), "round": self.current_round()["round_no"]}
+
+    def release(self, lease_id: int, site: str) -> dict[str, Any]:
+        with self.lock:
+            self._check_site(site)
+            try:
+                with store.Transaction(self.conn):
+                    returned = self._event(
+                        "release", {"lease_id": lease_id, "site": site, "now": self.clock()}
+                    )
+            except LeaseError as exc:
+                raise CoordinatorError(409, exc.code, str(exc)) from exc
+            return {"lease_id": lease_id, "returned": returned}
+
+    # ------------------------------------------------------------------ deltas
+    def submit(
+        self,
+        *,
+        site: str,
+        round_no: int,
+        lease_id: int,
+        generation: int,
+        tokens: int,
+        steps: int,
+        consumed: int,
+        blob: str,
+        loss: float | None = None,
+        compute_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Accept a delta and commit its blocks in ONE transaction; idempotent per lease."""
+        with self.lock:
+            self._check_site(site)
+            assert self.book is not None
+            previous = self.conn.execute(
+                "SELECT * FROM deltas WHERE lease_id = ?", (lease_id,)
+            ).fetchone()
+            if previous is not None:
+                if previous["site"] != site or previous["blob"] != blob:
+                    raise CoordinatorError(
+                        409, "lease_used", f"lease {lease_id} already carried a different delta"
+                    )
+                return {"accepted": True, "already": True, "round": previous["round_no"]}
+            try:
+                lease = self.book.lease(lease_id)
+            except LeaseError as exc:
+                raise CoordinatorError(404, exc.code, str(exc)) from exc
+            if lease.site != site:
+                raise CoordinatorError(403, "not_owner", f"lease {lease_id} belongs to another site")
+            current = self.current_round()
+            if generation != current["generation"] or round_no != current["round_no"]:
+                self._release_quietly(lease_id, site)
+                raise CoordinatorError(
+                    409,
+                    "stale_generation",
+                    f"delta trained from generation {generation} for round {round_no}; the current "
+                    f"round is {current['round_no']} at generation {current['generation']}: "
+                    "rejected, its blocks return to the pool",
+                )
+            if tokens < 1 or steps < 1:
+                raise CoordinatorError(422, "bad_counts", "tokens and steps must be >= 1")
+            if not 1 <= consumed <= lease.end - lease.start:
+                raise CoordinatorError(
+                    422,
+                    "bad_progress",
+                    f"consumed={consumed} outside 1..{lease.end - lease.start} for lease {lease_id}",
+                )
+            if not self.blobs.exists(blob):
+                raise CoordinatorError(404, "unknown_blob", f"no blob {blob}; upload it first")
+            self._validate_delta_blob(blob)
+            now = self.clock()
+            try:
+                with store.Transaction(self.conn):
+                    result = self._event(
+                        "commit", {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now}
+                    )
+                    assert self.space is not None
+                    blocks = self.space.permutation(lease.epoch)[
+                        lease.start : lease.start + consumed
+                    ].tolist()
+                    self.ledger.record_commit_blocks(lease.epoch, site, lease_id, blocks)
+                    self.conn.execute(
+                        "INSERT INTO deltas (lease_id, round_no, site, generation, tokens, steps, "
+                        "consumed, blob, loss, compute_s, accepted_at) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (lease_id, round_no, site, generation, tokens, steps, consumed, blob, loss,
+                         compute_s, now),
+                    )
+                    if self.book.epoch_complete():
+                        self._event("next_epoch", {"now": now})
+            except LeaseError as exc:
+                raise CoordinatorError(409, exc.code, str(exc)) from exc
+            return {"accepted": True, "already": False, "round": round_no,
+                    "committed": result.committed, "returned": result.returned}
+
+    def _release_quietly(self, lease_id: int, site: str) -> None:
+        try:
+            with store.Transaction(self.conn):
+                self._event("release", {"lease_id": lease_id, "site": site, "now": self.clock()})
+        except LeaseError:
+            pass
+
+    def _validate_delta_blob(self, blob: str) -> None:
+        path = self.blobs.path(blob)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                delta = _LazyTensors(handle)
+                validate_delta(self.master, delta)
+        except DeltaError as exc:
+            raise CoordinatorError(422, "bad_delta", f"delta rejected: {exc}") from exc
+        except Exception as exc:  # safetensors raises its own errors for bad headers
+            raise CoordinatorError(
+                422, "bad_delta", f"delta blob is not a readable safetensors file: {exc}"
+            ) from exc
+
+    # ------------------------------------------------------------------ the clock
+    def tick(self) -> dict[str, Any] | None:
+        """Expire leases and close the current round if the policy says so; returns a merge report."""
+        with self.lock:
+            if self.spec is None:
+                return None
+            assert self.book is not None
+            now = self.clock()
+            if any(lease.expires_at <= now for lease in self.book.active_leases()):
+                with store.Transaction(self.conn):
+                    expired = self._event("expire", {"now": now})
+                for lease in expired:
+                    log.warning(
+                        "lease %d of %s expired: %d blocks back to the pool",
+                        lease.lease_id, lease.site, lease.end - lease.start,
+                    )
+            current = self.current_round()
+            deltas = store.round_deltas(self.conn, current["round_no"])
+            active = [
+                lease for lease in self.book.active_leases() if lease.round_no == current["round_no"]
+            ]
+            reason = close_decision(
+                opened_at=current["opened_at"], now=now, deltas=len(deltas),
+                active_leases=len(active), policy=self.spec.rounds,
+            )
+            if reason is None:
+                return None
+            return self._close_round(current, deltas, reason)
+
+    def _close_round(self, current: dict, deltas: list[dict], reason: str) -> dict[str, Any]:
+        """Apply Eq. 1 to the round's deltas, persist generation g+1 and open the next round."""
+        assert self.spec is not None
+        started = time.perf_counter()
+        handles = [safe_open(str(self.blobs.path(d["blob"])), framework="pt") for d in deltas]
+        report = outer_step(
+            self.master, self.momentum, [_LazyTensors(h) for h in handles],
+            [d["tokens"] for d in deltas], self.spec.outer,
+        )
+        merge_s = time.perf_counter() - started
+        generation = current["generation"] + 1
+        write_started = time.perf_counter()
+        self._write_generation(generation)
+        checkpoint_s = time.perf_counter() - write_started
+        global_step = current["global_step"] + max(d["steps"] for d in deltas)
+        now = self.clock()
+        summary = {
+            "round": current["round_no"],
+            "generation": generation,
+            "reason": reason,
+            "contributors": [d["site"] for d in deltas],
+            "tokens": sum(d["tokens"] for d in deltas),
+            "shares": report.shares,
+            "eta": report.eta_used,
+            "global_step": global_step,
+            "merge_s": merge_s,
+            "checkpoint_s": checkpoint_s,
+            "loss": _weighted_loss(deltas),
+        }
+        with store.Transaction(self.conn):
+            self.conn.execute(
+                "UPDATE rounds SET status = 'closed', closed_at = ?, close_reason = ?, report = ? "
+                "WHERE round_no = ?",
+                (now, reason, json.dumps(summary), current["round_no"]),
+            )
+            store.set_meta(self.conn, "generation", generation)
+            store.set_meta(self.conn, "global_step", global_step)
+            self.conn.execute(
+                "INSERT INTO rounds (round_no, generation, status, opened_at, global_step) "
+                "VALUES (?, ?, 'open', ?, ?)",
+                (current["round_no"] + 1, generation, now, global_step),
+            )
+        for old in self.conn.execute(
+            "SELECT blob FROM deltas WHERE round_no < ?", (current["round_no"],)
+        ).fetchall():
+            self.blobs.delete(old["blob"])
+        log.info(
+            "round %d closed (%s): %d contributors, %d tokens, generation %d, merge %.2fs",
+            current["round_no"], reason, len(deltas), summary["tokens"], generation, merge_s,
+        )
+        return summary
+
+
+class _LazyTensors:
+    """A read-once mapping view over an open safetensors file (no full copy in memory)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def keys(self) -> list[str]:
+        return list(self.handle.keys())
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.handle.keys()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.handle.get_tensor(key)
+
+    def items(self):
+        return ((k, self[k]) for k in self.keys())
+
+
+def _weighted_loss(deltas: list[dict]) -> float | None:
+    pairs = [(d["loss"], d["tokens"]) for d in deltas if d["loss"] is not None]
+    if not pairs:
+        return None
+    total = sum(t for _, t in pairs)
+    value = sum(loss * t for loss, t in pairs) / total
+    return value if math.isfinite(value) else None
