@@ -1,0 +1,3 @@
+from crossfed.cli import main
+
+raise SystemExit(main())

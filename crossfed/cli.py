@@ -1,0 +1,357 @@
+"""``crossfed`` command line: one subcommand per thing a rule or a person does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from crossfed.config import ConfigError, load_run_config, load_sites
+
+
+def _setup_logging(log_file: str | None, verbose: bool = False) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=handlers,
+        force=True,
+    )
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = {}
+    for item in getattr(args, "set", None) or []:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value) if value[:1] in "[{0123456789-tf" else value
+    return load_run_config(Path(args.config) if args.config else None, overrides)
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    text = json.dumps(data, indent=2, default=str)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, path)
+    else:
+        print(text)
+
+
+# ---------------------------------------------------------------------- coordinator
+def cmd_coordinator_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from crossfed.coordinator.app import Tokens, create_app
+    from crossfed.coordinator.service import Coordinator
+
+    coordinator = Coordinator(Path(args.state_dir))
+    app = create_app(coordinator, Tokens.load(Path(args.secrets)))
+    ssl = {}
+    if args.ssl_certfile:
+        ssl = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **ssl)
+    return 0
+
+
+def cmd_coordinator_start(args: argparse.Namespace) -> int:
+    from crossfed.coordinator.embedded import start_embedded
+
+    config = _config(args)
+    if config["coordinator"]["url"] != "embedded":
+        print(f"coordinator is remote ({config['coordinator']['url']}); nothing to start")
+        return 0
+    url = start_embedded(config, list(load_sites(config)))
+    print(f"crossfed coordinator listening on {url} (state: {config['coordinator']['state_dir']})")
+    return 0
+
+
+def cmd_coordinator_stop(args: argparse.Namespace) -> int:
+    from crossfed.coordinator.embedded import stop_embedded
+
+    config = _config(args)
+    if config["coordinator"]["url"] == "embedded" and stop_embedded(config):
+        print("crossfed coordinator stopped")
+    return 0
+
+
+def cmd_run_init(args: argparse.Namespace) -> int:
+    from crossfed.coordinator.embedded import client_for
+    from crossfed.launch import run_spec
+
+    config = _config(args)
+    spec = run_spec(config, load_sites(config))
+    client = client_for(config, "admin")
+    reply = client.init_run(spec.to_dict())
+    state = "created" if reply["created"] else "resumed"
+    print(f"run {state}: round {reply['round']}, generation {reply['generation']}, "
+          f"{reply['blocks_total']} blocks of {spec.block_size} windows, digest {reply['digest'][:12]}")
+    _write_json(args.out, {"spec": spec.to_dict(), **reply})
+    return 0
+
+
+# ---------------------------------------------------------------------- sites
+def cmd_site_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from crossfed.coordinator.embedded import client_for
+    from crossfed.launch import site_settings
+    from crossfed.site import SiteRunner
+
+    config = _config(args)
+    sites = load_sites(config)
+    if args.site not in sites:
+        raise ConfigError(f"unknown site {args.site!r}; sites are {list(sites)}")
+    torch.set_num_threads(args.threads)
+    accumulation = None
+    if args.plan and Path(args.plan).exists():
+        plan = json.loads(Path(args.plan).read_text())
+        entry = plan.get("sites", {}).get(args.site, {})
+        accumulation = entry.get("accumulation")
+        if entry and entry.get("submit") is False:
+            _write_json(args.out, {"site": args.site, "round": args.round, "status": "not_planned",
+                                   "detail": entry.get("reason", "")})
+            return 0
+    settings = site_settings(config, args.site, sites[args.site], accumulation)
+    client = client_for(config, args.site)
+    runner = SiteRunner(settings, client)
+    outcome = runner.run_round(args.round)
+    from dataclasses import asdict
+
+    _write_json(args.out, asdict(outcome))
+    print(f"[{args.site} r{args.round}] {outcome.status}: {outcome.tokens} tokens, "
+          f"loss {outcome.loss_mean}, {outcome.tokens_per_s:.0f} tok/s {outcome.detail}")
+    return 0
+
+
+# ---------------------------------------------------------------------- rounds
+def cmd_round_wait(args: argparse.Namespace) -> int:
+    from crossfed.coordinator.embedded import client_for
+
+    config = _config(args)
+    client = client_for(config, "admin")
+    deadline = time.monotonic() + args.timeout_s if args.timeout_s else None
+    delay, last = 0.2, None
+    while True:
+        info = client.round_info(args.round)
+        if info["status"] == "closed":
+            break
+        seen = (len(info["deltas"]),)
+        if seen != last:
+            print(f"round {args.round}: open, {len(info['deltas'])} deltas in "
+                  f"({', '.join(d['site'] for d in info['deltas']) or 'none yet'})", flush=True)
+            last = seen
+        if deadline and time.monotonic() > deadline:
+            print(f"round {args.round} still open after {args.timeout_s}s", file=sys.stderr)
+            return 3
+        time.sleep(delay)
+        delay = min(delay * 1.5, 2.0)
+    report = info["report"]
+    print(f"round {args.round} closed ({report['reason']}): {', '.join(report['contributors'])}, "
+          f"{report['tokens']} tokens, generation {report['generation']}, merge {report['merge_s']:.2f}s")
+    _write_json(args.out, info)
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """Pull the global model of a generation and measure its held-out perplexity."""
+    import torch
+    from safetensors.torch import load_file
+
+    from crossfed.coordinator.embedded import client_for
+    from crossfed.train.inner import evaluate
+    from crossfed.train.model import build_model, load_parameters
+    from crossfed.train.windows import WindowStore
+
+    config = _config(args)
+    torch.set_num_threads(args.threads)
+    client = client_for(config, "admin")
+    t0 = time.perf_counter()
+    path = client.download_model(args.generation, Path(args.model_out))
+    download_s = time.perf_counter() - t0
+    val = WindowStore.open(Path(config["data"]["dir"]), "val")
+    model = build_model(config["model"]["flavour"], vocab_size=val.vocab_size)
+    load_parameters(model, load_file(str(path)))
+    t1 = time.perf_counter()
+    loss, ppl = evaluate(model, val.windows, val.n_windows, batch=config["eval"]["batch"],
+                         max_windows=config["eval"]["max_windows"])
+    eval_s = time.perf_counter() - t1
+    print(f"generation {args.generation}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
+    _write_json(args.out, {"generation": args.generation, "val_loss": loss, "val_perplexity": ppl,
+                           "eval_s": eval_s, "download_s": download_s})
+    return 0
+
+
+# ---------------------------------------------------------------------- reading
+def cmd_ledger(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from crossfed.coordinator.embedded import client_for
+
+    config = _config(args)
+    frame = pd.DataFrame(client_for(config, "admin").ledger())
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(args.out, index=False)
+    if args.format == "csv":
+        print(frame.to_csv(index=False), end="")
+    else:
+        print(frame.to_string(index=False))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from crossfed.coordinator.embedded import client_for
+
+    config = _config(args)
+    status = client_for(config, "admin").status()
+    if args.json:
+        _write_json(None, status)
+        return 0
+    print(f"round {status['round']}  generation {status['generation']}  global step "
+          f"{status['global_step']}  epoch {status['epoch']}  committed "
+          f"{status['blocks_committed_in_epoch']}/{status['blocks_total']} blocks")
+    for lease in status["active_leases"]:
+        print(f"  lease {lease['lease_id']:>5} {lease['site']:<10} round {lease['round']} "
+              f"{lease['consumed']}/{lease['n_blocks']} blocks, expires in "
+              f"{lease['expires_at'] - time.time():.0f}s")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from crossfed.report import write_report
+
+    config = _config(args)
+    summary = write_report(config, list(load_sites(config)), Path(config["results"]))
+    print(f"final held-out perplexity {summary['val_perplexity']:.2f} after {summary['rounds']} "
+          f"rounds, {summary['tokens']} tokens from {', '.join(summary['sites'])}")
+    print(f"metrics: {Path(config['results']) / 'metrics' / 'final.json'}")
+    return 0
+
+
+# ---------------------------------------------------------------------- parser
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="config/config.yaml", help="run config YAML")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a top-level config key (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="crossfed",
+        description="Pool Slurm allocations from several supercomputers into one pre-training run.",
+    )
+    parser.add_argument("--log", help="also write log lines to this file")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    coord = sub.add_parser("coordinator", help="run or control the coordinator service")
+    csub = coord.add_subparsers(dest="action", required=True)
+    serve = csub.add_parser("serve", help="serve the coordinator HTTP API (foreground)")
+    serve.add_argument("--state-dir", required=True, help="SQLite ledger, blobs and models live here")
+    serve.add_argument("--secrets", required=True, help="YAML with 'admin' and per-site tokens")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8470)
+    serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
+    serve.add_argument("--ssl-keyfile")
+    serve.set_defaults(func=cmd_coordinator_serve)
+    for name, func, text in (("start", cmd_coordinator_start, "start the embedded coordinator"),
+                             ("stop", cmd_coordinator_stop, "stop the embedded coordinator")):
+        p = csub.add_parser(name, help=text)
+        _add_config(p)
+        p.set_defaults(func=func)
+
+    run = sub.add_parser("run", help="create or resume the run on the coordinator")
+    rsub = run.add_subparsers(dest="action", required=True)
+    init = rsub.add_parser("init", help="create the run (idempotent) from config and data meta")
+    _add_config(init)
+    init.add_argument("--out")
+    init.set_defaults(func=cmd_run_init)
+
+    site = sub.add_parser("site", help="site jobs")
+    ssub = site.add_subparsers(dest="action", required=True)
+    srun = ssub.add_parser("run", help="train one outer round as a site")
+    _add_config(srun)
+    srun.add_argument("--site", required=True)
+    srun.add_argument("--round", type=int, required=True)
+    srun.add_argument("--plan", help="plan JSON (accumulation, whether to submit)")
+    srun.add_argument("--threads", type=int, default=1)
+    srun.add_argument("--out")
+    srun.set_defaults(func=cmd_site_run)
+
+    rnd = sub.add_parser("round", help="outer rounds")
+    rdsub = rnd.add_subparsers(dest="action", required=True)
+    wait = rdsub.add_parser("wait", help="wait until the coordinator closes a round")
+    _add_config(wait)
+    wait.add_argument("--round", type=int, required=True)
+    wait.add_argument("--timeout-s", type=float, default=0.0)
+    wait.add_argument("--out")
+    wait.set_defaults(func=cmd_round_wait)
+
+    ckpt = sub.add_parser("checkpoint", help="pull a global model and evaluate it")
+    _add_config(ckpt)
+    ckpt.add_argument("--generation", type=int, required=True)
+    ckpt.add_argument("--model-out", required=True)
+    ckpt.add_argument("--threads", type=int, default=1)
+    ckpt.add_argument("--out")
+    ckpt.set_defaults(func=cmd_checkpoint)
+
+    ledger = sub.add_parser("ledger", help="the DARL ledger (paper Table 3)")
+    _add_config(ledger)
+    ledger.add_argument("--format", choices=["table", "csv"], default="table")
+    ledger.add_argument("--out", help="also write CSV here")
+    ledger.set_defaults(func=cmd_ledger)
+
+    status = sub.add_parser("status", help="round, generation and live leases")
+    _add_config(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    report = sub.add_parser("report", help="final metrics, tables and plots")
+    _add_config(report)
+    report.set_defaults(func=cmd_report)
+
+    data = sub.add_parser("data", help="data preparation")
+    dsub = data.add_subparsers(dest="action", required=True)
+    from crossfed.train.prepare import add_parser as add_prepare
+
+    add_prepare(dsub)
+    try:
+        from crossfed.sched.cli import add_parsers as add_sched
+    except ImportError:  # pragma: no cover - scheduler extras absent
+        add_sched = None
+    if add_sched is not None:
+        add_sched(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log, args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"crossfed: config error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from crossfed.coordinator.client import Refused, Unreachable
+        from crossfed.coordinator.embedded import EndpointError
+
+        if isinstance(exc, Refused | Unreachable | EndpointError):
+            print(f"crossfed: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""The run's results: final metrics, per-round and per-site tables, the ledger and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+LEDGER_COLUMNS = ["site", "ranks", "rtt_ms", "entries", "grants", "blocks_granted",
+                  "blocks_committed", "blocks_lost", "ttl_expiries"]
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def site_table(results: Path) -> pd.DataFrame:
+    """One row per (round, site) train job outcome."""
+    rows = [_read(p) for p in sorted(results.glob("rounds/*/train/*.json"))]
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    keep = ["round", "site", "status", "generation", "steps", "tokens", "loss_mean", "compute_s",
+            "overhead_s", "download_s", "upload_s", "checkpoint_s", "tokens_per_s", "step_s",
+            "blocks_leased", "blocks_committed", "transport", "rtt_ms", "detail"]
+    return frame[[c for c in keep if c in frame]].sort_values(["round", "site"])
+
+
+def round_table(results: Path, sites: pd.DataFrame) -> pd.DataFrame:
+    """One row per closed round: who contributed, loss, held-out perplexity and time split."""
+    rows = []
+    for merge_path in sorted(results.glob("rounds/*/merge.json")):
+        info = _read(merge_path)
+        report = info["report"]
+        round_no = info["round_no"]
+        eval_path = results / "rounds" / str(round_no) / "eval.json"
+        evaluation = _read(eval_path) if eval_path.exists() else {}
+        accepted = sites[(sites["round"] == round_no) & (sites["status"] == "accepted")] \
+            if not sites.empty else sites
+        compute_s = float(accepted["compute_s"].max()) if len(accepted) else 0.0
+        comms_s = float((accepted["download_s"] + accepted["upload_s"]).mean()) if len(accepted) else 0.0
+        site_ckpt_s = float(accepted["checkpoint_s"].mean()) if len(accepted) else 0.0
+        eval_s = float(evaluation.get("eval_s", 0.0))
+        overhead_s = comms_s + site_ckpt_s + report["merge_s"] + report["checkpoint_s"] + eval_s
+        rows.append({
+            "round": round_no,
+            "generation": report["generation"],
+            "contributors": "+".join(report["contributors"]),
+            "n_contributors": len(report["contributors"]),
+            "close_reason": report["reason"],
+            "tokens": report["tokens"],
+            "train_loss": report.get("loss"),
+            "val_loss": evaluation.get("val_loss"),
+            "val_perplexity": evaluation.get("val_perplexity"),
+            "global_step": report["global_step"],
+            "round_s": (info["closed_at"] or 0) - info["opened_at"],
+            "compute_s": compute_s,
+            "overhead_s": overhead_s,
+            "comms_s": comms_s,
+            "merge_s": report["merge_s"],
+            "checkpoint_s": report["checkpoint_s"] + site_ckpt_s,
+            "eval_s": eval_s,
+            "opened_at": info["opened_at"],
+            "closed_at": info["closed_at"],
+        })
+    frame = pd.DataFrame(rows)
+    if not frame.empty:
+        frame = frame.sort_values("round")
+        frame["cum_tokens"] = frame["tokens"].cumsum()
+        frame["overhead_share"] = frame["overhead_s"] / (frame["compute_s"] + frame["overhead_s"])
+    return frame
+
+
+def check_ledger(ledger: pd.DataFrame) -> None:
+    """The paper's Table 3 identity: per-site columns sum to the total row."""
+    per_site, total = ledger[ledger["site"] != "total"], ledger[ledger["site"] == "total"]
+    if len(total) != 1:
+        raise ValueError("ledger has no single 'total' row")
+    for column in ("grants", "blocks_granted", "blocks_committed", "blocks_lost", "ttl_expiries"):
+        if int(per_site[column].sum()) != int(total[column].iloc[0]):
+            raise ValueError(f"ledger column {column}: sites sum to {per_site[column].sum()}, "
+                             f"total says {total[column].iloc[0]}")
+
+
+def plot_perplexity(rounds: pd.DataFrame, initial: dict[str, Any], path: Path) -> Path:
+    """Held-out perplexity against training tokens (paper Fig. 1a)."""
+    tokens = [0] + rounds["cum_tokens"].tolist()
+    ppl = [initial["val_perplexity"]] + rounds["val_perplexity"].tolist()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(tokens, ppl, marker="o", label="global model (held-out)")
+    ax.set_yscale("log")
+    ax.set_xlabel("training tokens (all sites)")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title("crossfed: perplexity vs tokens")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_round_time(rounds: pd.DataFrame, path: Path) -> Path:
+    """Per-round compute vs overhead seconds (paper Fig. 2b / Table 1)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(rounds["round"], rounds["compute_s"], label="compute (slowest site)")
+    ax.bar(rounds["round"], rounds["overhead_s"], bottom=rounds["compute_s"],
+           label="overhead (comms + merge + checkpoint + eval)")
+    ax.set_xlabel("outer round")
+    ax.set_ylabel("seconds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(config: dict[str, Any], site_names: list[str], results: Path) -> dict[str, Any]:
+    """Write metrics/final.json, metrics/rounds.csv, metrics/sites.csv, ledger.csv and plots."""
+    from crossfed.coordinator.embedded import client_for
+
+    metrics = results / "metrics"
+    metrics.mkdir(parents=True, exist_ok=True)
+    sites = site_table(results)
+    rounds = round_table(results, sites)
+    initial = _read(results / "rounds" / "0" / "eval.json")
+    ledger = pd.DataFrame(client_for(config, "admin").ledger())[LEDGER_COLUMNS]
+    check_ledger(ledger)
+    ledger.to_csv(results / "ledger.csv", index=False)
+    rounds.to_csv(metrics / "rounds.csv", index=False)
+    sites.to_csv(metrics / "sites.csv", index=False)
+    plot_perplexity(rounds, initial, results / "plots" / "perplexity.png")
+    plot_round_time(rounds, results / "plots" / "round_time.png")
+    last = rounds.iloc[-1]
+    summary = {
+        "val_perplexity": float(last["val_perplexity"]),
+        "val_loss": float(last["val_loss"]),
+        "initial_val_perplexity": float(initial["val_perplexity"]),
+        "rounds": int(len(rounds)),
+        "tokens": int(rounds["tokens"].sum()),
+        "global_step": int(last["global_step"]),
+        "sites": site_names,
+        "contributions": {s: int((sites["site"] == s).where(sites["status"] == "accepted",
+                                                             False).sum()) for s in site_names},
+        "wall_s": float(rounds["closed_at"].max() - rounds["opened_at"].min()),
+        "compute_s": float(rounds["compute_s"].sum()),
+        "overhead_s": float(rounds["overhead_s"].sum()),
+        "blocks_committed": int(ledger[ledger["site"] == "total"]["blocks_committed"].iloc[0]),
+        "blocks_lost": int(ledger[ledger["site"] == "total"]["blocks_lost"].iloc[0]),
+    }
+    tmp = metrics / "final.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, metrics / "final.json")
+    return summary
