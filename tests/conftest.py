@@ -1,0 +1,132 @@
+"""Shared fixtures: a small real dataset and a real coordinator process on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from crossfed.coordinator.client import CoordinatorClient
+from crossfed.coordinator.embedded import ensure_secrets, free_port
+from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
+from crossfed.darl.blockspace import BlockSpace
+from crossfed.train.prepare import prepare
+from crossfed.train.windows import read_meta
+
+REPO = Path(__file__).resolve().parent.parent
+SITES = ["snellius", "lumi", "frontier"]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded corpus, tokenised with a small vocabulary into short windows."""
+    out = tmp_path_factory.mktemp("data")
+    prepare(out, vocab_size=512, seq_len=32, val_fraction=0.05, shards=2, log=lambda *_: None)
+    return out
+
+
+def tiny_spec(data_dir: Path, **overrides) -> RunSpec:
+    meta = read_meta(data_dir)
+    fields = dict(
+        n_windows=meta["n_windows"],
+        block_size=8,
+        data_seed=7,
+        flavour="tiny",
+        vocab_size=meta["vocab_size"],
+        seq_len=meta["seq_len"],
+        model_seed=0,
+        inner_steps=4,
+        sites={name: 1 for name in SITES},
+        rounds=RoundPolicy(join_window_s=0.5, deadline_s=600),
+        leases=LeasePolicy(min_ttl_s=2.0, initial_ttl_s=3.0),
+    )
+    fields.update(overrides)
+    return RunSpec(**fields)
+
+
+@dataclass
+class LiveCoordinator:
+    """A coordinator started as a real process, with its tokens and state directory."""
+
+    url: str
+    state_dir: Path
+    secrets: dict
+    process: subprocess.Popen
+    port: int
+
+    def client(self, who: str = "admin", **kwargs) -> CoordinatorClient:
+        token = self.secrets["admin"] if who == "admin" else self.secrets["sites"][who]
+        kwargs.setdefault("retry_budget_s", 10.0)
+        return CoordinatorClient(self.url, token, **kwargs)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handler runs."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.process = start_process(self.state_dir, self.port)
+
+
+def start_process(state_dir: Path, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir", str(state_dir),
+           "--secrets", str(state_dir / "secrets.yaml"), "--port", str(port)]
+    log = open(state_dir / "coordinator.log", "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((state_dir / "coordinator.log").read_text()[-3000:])
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("coordinator did not start")
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[LiveCoordinator]:
+    """A fresh coordinator process (no run yet)."""
+    state_dir = tmp_path / "coordinator"
+    state_dir.mkdir()
+    secrets = ensure_secrets(state_dir / "secrets.yaml", SITES)
+    port = free_port("127.0.0.1")
+    live = LiveCoordinator(f"http://127.0.0.1:{port}", state_dir, secrets,
+                           start_process(state_dir, port), port)
+    yield live
+    if live.process.poll() is None:
+        live.process.terminate()
+        try:
+            live.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            live.process.kill()
+
+
+@pytest.fixture
+def run(coordinator: LiveCoordinator, tiny_data: Path) -> LiveCoordinator:
+    """A coordinator serving a tiny run over ``tiny_data``."""
+    coordinator.client().init_run(tiny_spec(tiny_data).to_dict())
+    return coordinator
+
+
+def digest_of(data_dir: Path, block_size: int = 8, seed: int = 7) -> str:
+    return BlockSpace(read_meta(data_dir)["n_windows"], block_size, seed).digest()
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+os.environ.setdefault("PYTHONUNBUFFERED", "1")

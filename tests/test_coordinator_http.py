@@ -1,0 +1,214 @@
+"""The coordinator as a real HTTP server: protocol, elasticity, bad input, durability."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from crossfed.coordinator.client import Refused
+from tests.conftest import LiveCoordinator, digest_of
+
+
+def global_model(live: LiveCoordinator, generation: int, tmp: Path) -> dict[str, torch.Tensor]:
+    path = live.client().download_model(generation, tmp / f"g{generation}.safetensors")
+    return load_file(str(path))
+
+
+def delta_file(tmp: Path, reference: dict[str, torch.Tensor], scale: float = 0.01,
+               seed: int = 0, name: str = "delta") -> Path:
+    gen = torch.Generator().manual_seed(seed)
+    delta = {k: (torch.randn(v.shape, generator=gen) * scale).to(torch.bfloat16)
+             for k, v in reference.items()}
+    path = tmp / f"{name}.safetensors"
+    save_file(delta, str(path))
+    return path
+
+
+def join_and_lease(live: LiveCoordinator, site: str, data: Path, round_no: int = 1,
+                   n_blocks: int = 2) -> dict:
+    client = live.client(site)
+    client.register(site, digest_of(data), 1, 1.0)
+    reply = client.lease(site, round_no, n_blocks, 0.1, 1.0)
+    assert reply["lease"] is not None
+    return reply["lease"]
+
+
+def submit(live: LiveCoordinator, site: str, lease: dict, path: Path, *, generation: int = 0,
+           round_no: int = 1, inline: bool = False, tokens: int = 1000) -> dict:
+    return live.client(site).submit_delta(
+        round_no, path, inline=inline, site=site, lease_id=lease["lease_id"],
+        generation=generation, tokens=tokens, steps=4, consumed=lease["n_blocks"], loss=3.0,
+    )
+
+
+def wait_round_closed(live: LiveCoordinator, round_no: int, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = live.client().round_info(round_no)
+        if info["status"] == "closed":
+            return info
+        time.sleep(0.1)
+    raise AssertionError(f"round {round_no} did not close")
+
+
+def committed_rows(live: LiveCoordinator) -> list[tuple]:
+    with sqlite3.connect(live.state_dir / "state.sqlite") as conn:
+        return conn.execute("SELECT * FROM committed ORDER BY epoch, block").fetchall()
+
+
+def test_health_needs_no_token_but_everything_else_does(run: LiveCoordinator) -> None:
+    assert httpx.get(f"{run.url}/v1/health").json()["ok"] is True
+    response = httpx.get(f"{run.url}/v1/status")
+    assert response.status_code == 401
+    response = httpx.get(f"{run.url}/v1/status", headers={"Authorization": "Bearer nope"})
+    assert response.status_code == 401 and response.json()["error"] == "unauthenticated"
+
+
+def test_round_with_two_sites_merges_token_weighted(run: LiveCoordinator, tiny_data: Path,
+                                                    tmp_path: Path) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    a, b = join_and_lease(run, "snellius", tiny_data), join_and_lease(run, "lumi", tiny_data)
+    da, db = delta_file(tmp_path, g0, seed=1, name="a"), delta_file(tmp_path, g0, seed=2, name="b")
+    assert submit(run, "snellius", a, da, tokens=3000)["accepted"]
+    assert submit(run, "lumi", b, db, tokens=1000, inline=True)["accepted"]
+    info = wait_round_closed(run, 1)
+    report = info["report"]
+    assert sorted(report["contributors"]) == ["lumi", "snellius"]
+    assert report["shares"] == pytest.approx([0.75, 0.25])
+    assert report["reason"] == "all_in" and report["generation"] == 1
+    g1 = global_model(run, 1, tmp_path)
+    # first outer step from zero momentum: w1 = w0 + eta * (1 + beta) * mean delta
+    name = "norm.weight"
+    mean = 0.75 * load_file(str(da))[name].float() + 0.25 * load_file(str(db))[name].float()
+    expected = g0[name].float() + 0.7 * 1.9 * mean
+    assert torch.allclose(g1[name].float(), expected, atol=1e-2)
+    assert run.client().status()["global_step"] == 4
+    assert len(committed_rows(run)) == a["n_blocks"] + b["n_blocks"]
+
+
+def test_straggler_lease_expires_and_round_closes_without_it(run: LiveCoordinator,
+                                                              tiny_data: Path,
+                                                              tmp_path: Path) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    fast = join_and_lease(run, "snellius", tiny_data)
+    dead = join_and_lease(run, "frontier", tiny_data)  # never heartbeats again: a crash
+    submit(run, "snellius", fast, delta_file(tmp_path, g0))
+    info = wait_round_closed(run, 1, timeout_s=30)
+    assert info["report"]["contributors"] == ["snellius"]
+    assert info["report"]["eta"] == 1.0  # a solo round takes the full step
+    ledger = {row["site"]: row for row in run.client().ledger()}
+    assert ledger["frontier"]["ttl_expiries"] == 1
+    assert ledger["frontier"]["blocks_lost"] == dead["n_blocks"]
+    assert ledger["total"]["blocks_committed"] == ledger["snellius"]["blocks_committed"]
+    # the dead site rejoins later as a joiner and may lease again in round 2
+    again = join_and_lease(run, "frontier", tiny_data, round_no=2)
+    assert again["round"] == 2
+
+
+def test_stale_generation_is_rejected_and_blocks_return(run: LiveCoordinator, tiny_data: Path,
+                                                         tmp_path: Path) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    lease = join_and_lease(run, "lumi", tiny_data)
+    with pytest.raises(Refused) as refused:
+        submit(run, "lumi", lease, delta_file(tmp_path, g0), generation=5)
+    assert refused.value.status == 409 and refused.value.code == "stale_generation"
+    assert committed_rows(run) == []
+    assert run.client().status()["generation"] == 0
+
+
+def test_zero_live_sites_round_stays_open(run: LiveCoordinator) -> None:
+    time.sleep(1.5)  # well past the join window
+    status = run.client().status()
+    assert status["round"] == 1 and status["generation"] == 0
+
+
+@pytest.mark.parametrize("case", ["shape", "nan", "dtype", "missing", "not_safetensors"])
+def test_bad_deltas_get_4xx_naming_the_problem_and_change_nothing(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path, case: str
+) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    lease = join_and_lease(run, "snellius", tiny_data)
+    delta = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in g0.items()}
+    path = tmp_path / "bad.safetensors"
+    expected = {"shape": "norm.weight", "nan": "norm.weight", "dtype": "norm.weight",
+                "missing": "norm.weight", "not_safetensors": "safetensors"}[case]
+    if case == "shape":
+        delta["norm.weight"] = torch.zeros(3, dtype=torch.bfloat16)
+    elif case == "nan":
+        delta["norm.weight"][0] = float("nan")
+    elif case == "dtype":
+        delta["norm.weight"] = torch.zeros(delta["norm.weight"].shape, dtype=torch.int32)
+    elif case == "missing":
+        del delta["norm.weight"]
+    if case == "not_safetensors":
+        path.write_bytes(b"\xff" * 64)
+    else:
+        save_file(delta, str(path))
+    with pytest.raises(Refused) as refused:
+        submit(run, "snellius", lease, path)
+    assert 400 <= refused.value.status < 500
+    assert expected in refused.value.detail
+    assert committed_rows(run) == []
+    status = run.client().status()
+    assert status["generation"] == 0 and status["blocks_committed_total"] == 0
+    assert torch.equal(global_model(run, 0, tmp_path / "again")["norm.weight"], g0["norm.weight"])
+
+
+def test_wrong_digest_unknown_site_and_foreign_token_are_refused(run: LiveCoordinator,
+                                                                  tiny_data: Path) -> None:
+    with pytest.raises(Refused) as refused:
+        run.client("lumi").register("lumi", digest_of(tiny_data, seed=8), 1, None)
+    assert refused.value.status == 409 and refused.value.code == "digest_mismatch"
+    with pytest.raises(Refused) as refused:
+        run.client().register("nowhere", digest_of(tiny_data), 1, None)
+    assert refused.value.status == 404 and "nowhere" in refused.value.detail
+    with pytest.raises(Refused) as refused:
+        run.client("lumi").register("snellius", digest_of(tiny_data), 1, None)
+    assert refused.value.status == 403
+    entries = {row["site"]: row["entries"] for row in run.client().ledger()}
+    assert entries.get("lumi", 0) == 0 and entries.get("snellius", 0) == 0
+
+
+def test_malformed_bodies_are_422(run: LiveCoordinator) -> None:
+    headers = {"Authorization": f"Bearer {run.secrets['sites']['lumi']}"}
+    response = httpx.post(f"{run.url}/v1/leases", headers=headers, content=b"{not json")
+    assert response.status_code == 422
+    response = httpx.post(f"{run.url}/v1/leases", headers=headers,
+                          json={"site": "lumi", "round": 1, "n_blocks": -3})
+    assert response.status_code == 422 and "n_blocks" in response.text
+    response = httpx.put(f"{run.url}/v1/blobs/..%2F..%2Fetc%2Fpasswd", headers=headers,
+                         content=b"x")
+    assert response.status_code in (400, 404)
+
+
+def test_corrupted_blob_upload_is_rejected(run: LiveCoordinator) -> None:
+    headers = {"Authorization": f"Bearer {run.secrets['sites']['lumi']}"}
+    key = "0" * 64
+    response = httpx.put(f"{run.url}/v1/blobs/{key}", headers=headers, content=b"hello")
+    assert response.status_code == 422 and "mismatch" in response.json()["detail"]
+    assert not any((run.state_dir / "blobs").rglob(key))
+
+
+def test_sigkilled_coordinator_comes_back_with_its_state(run: LiveCoordinator, tiny_data: Path,
+                                                         tmp_path: Path) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    a = join_and_lease(run, "snellius", tiny_data)
+    b = join_and_lease(run, "lumi", tiny_data)
+    path = delta_file(tmp_path, g0, seed=3)
+    assert submit(run, "snellius", a, path)["accepted"]
+    run.kill()
+    run.restart()
+    # the accepted delta is remembered: resending it is answered idempotently
+    again = submit(run, "snellius", a, path)
+    assert again["accepted"] and again["already"]
+    assert submit(run, "lumi", b, delta_file(tmp_path, g0, seed=4, name="b"))["accepted"]
+    info = wait_round_closed(run, 1)
+    assert sorted(info["report"]["contributors"]) == ["lumi", "snellius"]
+    rows = committed_rows(run)
+    assert len(rows) == len({(r[0], r[1]) for r in rows}) == a["n_blocks"] + b["n_blocks"]
