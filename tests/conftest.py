@@ -47,7 +47,7 @@ def tiny_spec(data_dir: Path, **overrides) -> RunSpec:
         inner_steps=4,
         sites={name: 1 for name in SITES},
         rounds=RoundPolicy(join_window_s=0.5, deadline_s=600),
-        leases=LeasePolicy(min_ttl_s=2.0, initial_ttl_s=3.0),
+        leases=LeasePolicy(min_ttl_s=2.0, initial_ttl_s=60.0),
     )
     fields.update(overrides)
     return RunSpec(**fields)
@@ -82,7 +82,7 @@ def start_process(state_dir: Path, port: int) -> subprocess.Popen:
            "--secrets", str(state_dir / "secrets.yaml"), "--port", str(port)]
     log = open(state_dir / "coordinator.log", "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError((state_dir / "coordinator.log").read_text()[-3000:])

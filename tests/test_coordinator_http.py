@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from crossfed.coordinator.client import Refused
+from crossfed.darl.ledger import COMMITTED_TABLE
 from tests.conftest import LiveCoordinator, digest_of
 
 
@@ -31,10 +32,11 @@ def delta_file(tmp: Path, reference: dict[str, torch.Tensor], scale: float = 0.0
 
 
 def join_and_lease(live: LiveCoordinator, site: str, data: Path, round_no: int = 1,
-                   n_blocks: int = 2) -> dict:
+                   n_blocks: int = 2, t_step_s: float | None = None) -> dict:
+    """Register and lease; without a step time the lease gets the long initial TTL."""
     client = live.client(site)
     client.register(site, digest_of(data), 1, 1.0)
-    reply = client.lease(site, round_no, n_blocks, 0.1, 1.0)
+    reply = client.lease(site, round_no, n_blocks, t_step_s, 1.0)
     assert reply["lease"] is not None
     return reply["lease"]
 
@@ -59,7 +61,7 @@ def wait_round_closed(live: LiveCoordinator, round_no: int, timeout_s: float = 3
 
 def committed_rows(live: LiveCoordinator) -> list[tuple]:
     with sqlite3.connect(live.state_dir / "state.sqlite") as conn:
-        return conn.execute("SELECT * FROM committed ORDER BY epoch, block").fetchall()
+        return conn.execute(f"SELECT * FROM {COMMITTED_TABLE} ORDER BY epoch, block").fetchall()
 
 
 def test_health_needs_no_token_but_everything_else_does(run: LiveCoordinator) -> None:
@@ -97,7 +99,8 @@ def test_straggler_lease_expires_and_round_closes_without_it(run: LiveCoordinato
                                                               tmp_path: Path) -> None:
     g0 = global_model(run, 0, tmp_path)
     fast = join_and_lease(run, "snellius", tiny_data)
-    dead = join_and_lease(run, "frontier", tiny_data)  # never heartbeats again: a crash
+    # never heartbeats again: a crash; a short step time gives it the minimum TTL
+    dead = join_and_lease(run, "frontier", tiny_data, t_step_s=0.01)
     submit(run, "snellius", fast, delta_file(tmp_path, g0))
     info = wait_round_closed(run, 1, timeout_s=30)
     assert info["report"]["contributors"] == ["snellius"]

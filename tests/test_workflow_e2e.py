@@ -20,6 +20,8 @@ import pandas as pd
 import pytest
 import yaml
 
+from crossfed.darl.ledger import COMMITTED_TABLE
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
@@ -91,7 +93,7 @@ def check_ledger(cwd: Path) -> pd.DataFrame:
     for column in ("grants", "blocks_granted", "blocks_committed", "blocks_lost"):
         assert per_site[column].sum() == total[column], column
     with sqlite3.connect(cwd / "results" / "coordinator" / "state.sqlite") as conn:
-        rows = conn.execute("SELECT epoch, block FROM committed").fetchall()
+        rows = conn.execute(f"SELECT epoch, block FROM {COMMITTED_TABLE}").fetchall()
     assert len(rows) == len(set(rows)) == total["blocks_committed"] > 0
     return ledger
 

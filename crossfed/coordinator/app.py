@@ -4,7 +4,6 @@ Every request is short: waiting is done by clients polling with backoff, so site
 HTTP forward proxy that reaps long connections work the same as direct ones.
 """
 
-from __future__ import annotations
 
 import asyncio
 import hmac
@@ -35,7 +34,7 @@ class Tokens:
         self.pairs = [(admin, ADMIN)] + [(tok, site) for site, tok in sites.items()]
 
     @classmethod
-    def load(cls, path: Path) -> Tokens:
+    def load(cls, path: Path) -> "Tokens":
         data = yaml.safe_load(path.read_text()) or {}
         if "admin" not in data or not isinstance(data.get("sites", {}), dict):
             raise ValueError(f"{path}: a secrets file needs 'admin' and a 'sites' mapping")

@@ -28,7 +28,6 @@ from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
 from crossfed.darl.ledger import LedgerStore, apply_event
 from crossfed.outer import DeltaError, outer_step, validate_delta
-from crossfed.train.model import build_model, parameters_of
 from crossfed.transport import save_atomic, sha256_file, to_bf16
 
 log = logging.getLogger("crossfed.coordinator")
@@ -93,6 +92,8 @@ class Coordinator:
                         "this coordinator already serves a different run; start a new state dir",
                     )
                 return {"created": False, **self.status()}
+            from crossfed.train.model import build_model, parameters_of  # torchtitan is heavy
+
             model = build_model(spec.flavour, vocab_size=spec.vocab_size, seed=spec.model_seed)
             self.master = {k: v.detach().float().clone() for k, v in parameters_of(model).items()}
             self.momentum = {}
