@@ -1,0 +1,514 @@
+"""DARL leases: the pure state machine of which block positions are pooled, leased or committed.
+
+No I/O and no clocks: every command takes `now` (seconds), so replaying the same commands
+gives the same book. Positions index the epoch's block permutation
+(`BlockSpace.permutation(epoch)`); a lease is one contiguous span [start, end) of positions
+whose first `consumed` are trained. A lease is live while now < expires_at; it dies when
+`expire(now)` runs (or is released), and only then do its blocks return to the pool.
+
+Per-site accounting (paper Table 3): steals move the stolen tail from the victim's
+`blocks_granted` to the thief's, so for every site
+`blocks_granted == blocks_committed + blocks_lost + blocks held in its active lease`, where
+`blocks_lost` counts every granted block that went back to the pool uncommitted (TTL expiry,
+clean release, or the untrained rest of a commit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from sortedcontainers import SortedDict
+
+__all__ = [
+    "CommitResult",
+    "Lease",
+    "LeaseBook",
+    "LeaseError",
+    "LeaseSizingError",
+    "SiteStats",
+    "lease_blocks",
+    "lease_ttl",
+    "proportional_grant",
+]
+
+ACTIVE, COMMITTED, EXPIRED, RELEASED = "active", "committed", "expired", "released"
+
+
+class LeaseError(Exception):
+    """A lease command the book refuses; `code` names the reason, the state is unchanged.
+
+    Codes: unknown_site, unknown_lease, not_owner, stale_epoch, expired, committed,
+    bad_progress, commit_mismatch, already_holding, pool_not_empty, epoch_incomplete,
+    bad_argument.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class LeaseSizingError(ValueError):
+    """Invalid input to a lease sizing helper."""
+
+
+@dataclass
+class Lease:
+    """One contiguous span [start, end) of an epoch's positions held by one site."""
+
+    lease_id: int
+    site: str
+    round_no: int
+    epoch: int
+    start: int
+    end: int
+    consumed: int
+    granted_at: float
+    expires_at: float
+    ttl_s: float
+    status: str  # active | committed | expired | released
+
+    @property
+    def n_blocks(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class CommitResult:
+    lease_id: int
+    committed: int
+    returned: int
+    already: bool
+
+
+@dataclass
+class SiteStats:
+    """Per-site ledger counters (cumulative over epochs)."""
+
+    entries: int = 0
+    grants: int = 0  # leases received, steals included
+    blocks_granted: int = 0
+    blocks_committed: int = 0
+    blocks_lost: int = 0
+    ttl_expiries: int = 0
+    steals: int = 0
+    stolen_from: int = 0
+    releases: int = 0
+
+
+def _finite(name: str, value: float, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LeaseError("bad_argument", f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        need = "a positive finite number" if positive else "finite"
+        raise LeaseError("bad_argument", f"{name} must be {need}, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: int, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lo:
+        raise LeaseError("bad_argument", f"{name} must be an integer >= {lo}, got {value!r}")
+    return int(value)
+
+
+class LeaseBook:
+    """The coordinator's authoritative map of pooled, leased and committed positions."""
+
+    def __init__(self, n_blocks: int, epoch: int = 0) -> None:
+        self.n_blocks = _count("n_blocks", n_blocks, 1)
+        self.epoch = _count("epoch", epoch)
+        self._committed = np.zeros(self.n_blocks, dtype=bool)  # current epoch, allocated once
+        self._committed_in_epoch = 0
+        self._committed_before = 0  # committed in earlier epochs
+        self._cursor = 0  # positions >= cursor have never been granted this epoch
+        self._returned: SortedDict = SortedDict()  # start -> end, maximal runs below cursor
+        self._pooled = self.n_blocks
+        self._leases: dict[int, Lease] = {}
+        self._active: dict[int, Lease] = {}
+        self._by_site: dict[str, Lease] = {}
+        self._expiry: list[tuple[float, int]] = []  # (expires_at, lease_id), lazily deleted
+        self._stats: dict[str, SiteStats] = {}
+        self._next_id = 1
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def committed_in_epoch(self) -> int:
+        return self._committed_in_epoch
+
+    @property
+    def committed_total(self) -> int:
+        """Blocks committed over all epochs, this one included."""
+        return self._committed_before + self._committed_in_epoch
+
+    @property
+    def pool_size(self) -> int:
+        """Positions of this epoch neither leased nor committed."""
+        return self._pooled
+
+    def pool_spans(self) -> list[tuple[int, int]]:
+        """The pool as sorted, disjoint, non-adjacent [start, end) spans."""
+        spans = list(self._returned.items())
+        if self._cursor < self.n_blocks:
+            spans.append((self._cursor, self.n_blocks))
+        return spans
+
+    def committed_spans(self) -> list[tuple[int, int]]:
+        """Committed positions of this epoch as sorted [start, end) spans (O(M); for audits)."""
+        edges = np.flatnonzero(np.diff(self._committed.astype(np.int8), prepend=0, append=0))
+        return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+    def is_committed(self, position: int) -> bool:
+        position = _count("position", position)
+        if position >= self.n_blocks:
+            raise LeaseError("bad_argument", f"position {position} >= n_blocks {self.n_blocks}")
+        return bool(self._committed[position])
+
+    def epoch_complete(self) -> bool:
+        return self._committed_in_epoch == self.n_blocks
+
+    def lease(self, lease_id: int) -> Lease:
+        return dataclasses.replace(self._get(lease_id))
+
+    def active_leases(self) -> list[Lease]:
+        return [dataclasses.replace(lease) for lease in self._active.values()]
+
+    def sites(self) -> list[str]:
+        return list(self._stats)
+
+    def site_stats(self) -> dict[str, SiteStats]:
+        return {site: dataclasses.replace(s) for site, s in self._stats.items()}
+
+    def snapshot(self) -> dict:
+        """Everything that defines the book's behaviour, as plain data (for replay checks)."""
+        return {
+            "n_blocks": self.n_blocks,
+            "epoch": self.epoch,
+            "committed_before": self._committed_before,
+            "committed_in_epoch": self._committed_in_epoch,
+            "committed": self.committed_spans(),
+            "pool": self.pool_spans(),
+            "next_id": self._next_id,
+            "leases": {i: dataclasses.asdict(v) for i, v in self._leases.items()},
+            "active": sorted(self._active),
+            "by_site": {s: v.lease_id for s, v in sorted(self._by_site.items())},
+            "stats": {s: dataclasses.asdict(v) for s, v in self._stats.items()},
+        }
+
+    # ---- commands ------------------------------------------------------------------------
+
+    def register(self, site: str, now: float) -> None:
+        """A site joins (again): counts one entry. Its old lease, if any, lives on its TTL."""
+        self._check_site_name(site)
+        _finite("now", now)
+        self._stats.setdefault(site, SiteStats()).entries += 1
+
+    def grant(
+        self, site: str, n_blocks: int, now: float, ttl_s: float, round_no: int
+    ) -> Lease | None:
+        """Lease one contiguous span of up to n_blocks from the lowest pooled position."""
+        stats = self._site(site)
+        n_blocks = _count("n_blocks", n_blocks, 1)
+        now, ttl_s = _finite("now", now), _finite("ttl_s", ttl_s, positive=True)
+        round_no = _count("round_no", round_no)
+        self._check_not_holding(site)
+        span = self._take(n_blocks)
+        if span is None:
+            return None
+        stats.grants += 1
+        stats.blocks_granted += span[1] - span[0]
+        return self._new_lease(site, round_no, span, now, ttl_s)
+
+    def heartbeat(
+        self, lease_id: int, site: str, consumed: int, now: float, ttl_s: float | None = None
+    ) -> Lease:
+        """Report progress and extend the TTL; returns the lease (its end may have shrunk)."""
+        lease = self._live(lease_id, site, now)
+        consumed = _count("consumed", consumed)
+        if consumed < lease.consumed or consumed > lease.n_blocks:
+            raise LeaseError(
+                "bad_progress",
+                f"lease {lease_id}: consumed {consumed} outside [{lease.consumed}, "
+                f"{lease.n_blocks}]",
+            )
+        if ttl_s is not None:
+            lease.ttl_s = _finite("ttl_s", ttl_s, positive=True)
+        lease.consumed = consumed
+        lease.expires_at = now + lease.ttl_s
+        self._push_expiry(lease)
+        return dataclasses.replace(lease)
+
+    def steal(self, site: str, now: float, ttl_s: float, round_no: int) -> Lease | None:
+        """A drained site takes the untouched tail of another site's largest live lease.
+
+        The victim keeps its consumed blocks, the one in progress and half (rounded down) of
+        the rest; the thief gets the remaining tail. "Largest" means the largest stealable
+        rest (n_blocks - consumed - 1), ties to the lowest lease id. None when no lease has
+        a rest of at least one block.
+        """
+        stats = self._site(site)
+        now, ttl_s = _finite("now", now), _finite("ttl_s", ttl_s, positive=True)
+        round_no = _count("round_no", round_no)
+        self._check_not_holding(site)
+        if self._pooled:
+            raise LeaseError("pool_not_empty", f"{self._pooled} blocks are pooled; grant instead")
+        victim, rest = None, 0
+        for lease in self._active.values():  # ascending lease id, so ties keep the oldest
+            lease_rest = lease.n_blocks - lease.consumed - 1
+            if lease.site != site and lease_rest > rest:
+                victim, rest = lease.lease_id, lease_rest
+        if victim is None:
+            return None
+        lease = self._active[victim]
+        tail = rest - rest // 2
+        span = (lease.end - tail, lease.end)
+        lease.end -= tail
+        victim_stats = self._stats[lease.site]
+        victim_stats.stolen_from += 1
+        victim_stats.blocks_granted -= tail
+        stats.steals += 1
+        stats.grants += 1
+        stats.blocks_granted += tail
+        return self._new_lease(site, round_no, span, now, ttl_s)
+
+    def commit(self, lease_id: int, site: str, consumed: int, now: float) -> CommitResult:
+        """Commit the first `consumed` blocks, pool the rest; repeating it changes nothing."""
+        lease = self._owned(lease_id, site)
+        consumed = _count("consumed", consumed)
+        if lease.status == COMMITTED:
+            if consumed != lease.consumed:
+                raise LeaseError(
+                    "commit_mismatch",
+                    f"lease {lease_id} was committed with {lease.consumed} blocks, not {consumed}",
+                )
+            return CommitResult(lease_id, lease.consumed, lease.n_blocks - lease.consumed, True)
+        lease = self._live(lease_id, site, now)
+        if consumed > lease.n_blocks:
+            raise LeaseError(
+                "bad_progress", f"lease {lease_id}: consumed {consumed} > {lease.n_blocks} blocks"
+            )
+        cut = lease.start + consumed
+        self._committed[lease.start : cut] = True
+        self._committed_in_epoch += consumed
+        self._return(cut, lease.end)
+        stats = self._stats[site]
+        stats.blocks_committed += consumed
+        stats.blocks_lost += lease.end - cut
+        lease.consumed = consumed
+        self._close(lease, COMMITTED)
+        return CommitResult(lease_id, consumed, lease.end - cut, False)
+
+    def release(self, lease_id: int, site: str, now: float) -> int:
+        """Clean departure: all the lease's blocks return to the pool (its work is not merged).
+
+        Returns how many blocks returned; 0 for a lease that is no longer active.
+        """
+        lease = self._owned(lease_id, site)
+        _finite("now", now)
+        if lease.status != ACTIVE:
+            return 0
+        self._return(lease.start, lease.end)
+        stats = self._stats[site]
+        stats.blocks_lost += lease.n_blocks
+        stats.releases += 1
+        self._close(lease, RELEASED)
+        return lease.n_blocks
+
+    def expire(self, now: float) -> list[Lease]:
+        """Every active lease with expires_at <= now dies; all its blocks return to the pool."""
+        now = _finite("now", now)
+        dead = []
+        while self._expiry and self._expiry[0][0] <= now:
+            at, lease_id = heapq.heappop(self._expiry)
+            lease = self._active.get(lease_id)
+            if lease is None or lease.expires_at != at:
+                continue  # stale entry: closed or refreshed since
+            self._return(lease.start, lease.end)
+            stats = self._stats[lease.site]
+            stats.blocks_lost += lease.n_blocks
+            stats.ttl_expiries += 1
+            self._close(lease, EXPIRED)
+            dead.append(dataclasses.replace(lease))
+        return dead
+
+    def next_epoch(self) -> None:
+        """Start the next epoch with a full pool; only once every block is committed."""
+        if not self.epoch_complete():
+            raise LeaseError(
+                "epoch_incomplete",
+                f"epoch {self.epoch}: {self._committed_in_epoch}/{self.n_blocks} committed",
+            )
+        self._committed_before += self._committed_in_epoch
+        self._committed_in_epoch = 0
+        self._committed[:] = False
+        self._cursor = 0
+        self._returned.clear()
+        self._pooled = self.n_blocks
+        self._expiry.clear()
+        self.epoch += 1
+
+    # ---- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _check_site_name(site: str) -> None:
+        if not isinstance(site, str) or not site:
+            raise LeaseError("bad_argument", f"site must be a non-empty string, got {site!r}")
+
+    def _site(self, site: str) -> SiteStats:
+        self._check_site_name(site)
+        stats = self._stats.get(site)
+        if stats is None:
+            raise LeaseError("unknown_site", f"site {site!r} has not registered")
+        return stats
+
+    def _check_not_holding(self, site: str) -> None:
+        held = self._by_site.get(site)
+        if held is not None:
+            raise LeaseError("already_holding", f"site {site!r} holds active lease {held.lease_id}")
+
+    def _get(self, lease_id: int) -> Lease:
+        ok = isinstance(lease_id, int | np.integer) and not isinstance(lease_id, bool)
+        lease = self._leases.get(int(lease_id)) if ok else None
+        if lease is None:
+            raise LeaseError("unknown_lease", f"no lease {lease_id!r}")
+        return lease
+
+    def _owned(self, lease_id: int, site: str) -> Lease:
+        lease = self._get(lease_id)
+        if lease.site != site:
+            raise LeaseError(
+                "not_owner", f"lease {lease_id} belongs to {lease.site!r}, not {site!r}"
+            )
+        return lease
+
+    def _live(self, lease_id: int, site: str, now: float) -> Lease:
+        lease = self._owned(lease_id, site)
+        now = _finite("now", now)
+        if lease.epoch != self.epoch:
+            raise LeaseError("stale_epoch", f"lease {lease_id} is from epoch {lease.epoch}")
+        if lease.status == COMMITTED:
+            raise LeaseError("committed", f"lease {lease_id} is already committed")
+        if lease.status != ACTIVE:
+            raise LeaseError("expired", f"lease {lease_id} is {lease.status}")
+        if now >= lease.expires_at:
+            raise LeaseError("expired", f"lease {lease_id} expired at {lease.expires_at} <= {now}")
+        return lease
+
+    def _new_lease(
+        self, site: str, round_no: int, span: tuple[int, int], now: float, ttl_s: float
+    ) -> Lease:
+        lease = Lease(
+            lease_id=self._next_id,
+            site=site,
+            round_no=round_no,
+            epoch=self.epoch,
+            start=span[0],
+            end=span[1],
+            consumed=0,
+            granted_at=now,
+            expires_at=now + ttl_s,
+            ttl_s=ttl_s,
+            status=ACTIVE,
+        )
+        self._next_id += 1
+        self._leases[lease.lease_id] = lease
+        self._active[lease.lease_id] = lease
+        self._by_site[site] = lease
+        self._push_expiry(lease)
+        return dataclasses.replace(lease)
+
+    def _close(self, lease: Lease, status: str) -> None:
+        lease.status = status
+        del self._active[lease.lease_id]
+        del self._by_site[lease.site]
+
+    def _push_expiry(self, lease: Lease) -> None:
+        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        if len(self._expiry) > 4 * len(self._active) + 64:
+            self._expiry = [(v.expires_at, i) for i, v in self._active.items()]
+            heapq.heapify(self._expiry)
+
+    def _take(self, n: int) -> tuple[int, int] | None:
+        """Remove and return the lowest pooled run, cut to at most n positions."""
+        if self._returned:
+            start, end = self._returned.popitem(0)
+            if end - start > n:
+                self._returned[start + n] = end
+                end = start + n
+        elif self._cursor < self.n_blocks:
+            start = self._cursor
+            end = self._cursor = min(self.n_blocks, start + n)
+        else:
+            return None
+        self._pooled -= end - start
+        return start, end
+
+    def _return(self, start: int, end: int) -> None:
+        """Put [start, end) back in the pool, merging with neighbouring runs and the cursor."""
+        if end <= start:
+            return
+        self._pooled += end - start
+        runs = self._returned
+        i = runs.bisect_left(start)
+        if i > 0:
+            before = runs.peekitem(i - 1)
+            if before[1] == start:
+                start = before[0]
+                del runs[start]
+        after = runs.get(end)
+        if after is not None:
+            del runs[end]
+            end = after
+        if end == self._cursor:
+            self._cursor = start
+        else:
+            runs[start] = end
+
+
+def lease_blocks(h: int, b: int, w: int, a: int, k: int) -> int:
+    """Blocks per lease for one inner phase: max(1, ceil(H*B*W*A / K))."""
+    for name, v in (("h", h), ("b", b), ("w", w), ("a", a), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise LeaseSizingError(f"{name} must be a positive integer, got {v!r}")
+    return max(1, -(-(h * b * w * a) // k))
+
+
+def lease_ttl(t_step_s: float, rtt_s: float, alpha: float = 2.5, beta_rtt: float = 2.0) -> float:
+    """Lease TTL in seconds: alpha * mean step time + beta_rtt * round-trip time."""
+    for name, v in (("t_step_s", t_step_s), ("rtt_s", rtt_s), ("alpha", alpha)):
+        if not math.isfinite(v) or v < 0:
+            raise LeaseSizingError(f"{name} must be finite and >= 0, got {v!r}")
+    if not math.isfinite(beta_rtt) or beta_rtt < 0:
+        raise LeaseSizingError(f"beta_rtt must be finite and >= 0, got {beta_rtt!r}")
+    ttl = alpha * t_step_s + beta_rtt * rtt_s
+    if ttl <= 0:
+        raise LeaseSizingError("TTL must be positive: give a step time or an RTT above zero")
+    return ttl
+
+
+def proportional_grant(
+    base_blocks: int,
+    site_rate: float | None,
+    mean_rate: float | None,
+    lo: int = 1,
+    hi: int | None = None,
+) -> int:
+    """Lease size scaled by the site's commit rate over the live sites' mean, in [lo, hi].
+
+    base_blocks when either rate is unknown (None) or the mean is not positive; the scaled
+    size rounds half up.
+    """
+    if isinstance(base_blocks, bool) or not isinstance(base_blocks, int) or base_blocks < 1:
+        raise LeaseSizingError(f"base_blocks must be a positive integer, got {base_blocks!r}")
+    if lo < 1 or (hi is not None and hi < lo):
+        raise LeaseSizingError(f"need 1 <= lo <= hi, got lo={lo!r} hi={hi!r}")
+    size = base_blocks
+    if site_rate is not None and mean_rate is not None and mean_rate > 0:
+        if not math.isfinite(site_rate) or site_rate < 0 or not math.isfinite(mean_rate):
+            raise LeaseSizingError(f"rates must be finite, >= 0: {site_rate!r}, {mean_rate!r}")
+        size = math.floor(base_blocks * site_rate / mean_rate + 0.5)
+    size = max(lo, size)
+    return size if hi is None else min(hi, size)

@@ -1,0 +1,340 @@
+"""DARL lease book: grants, heartbeats, steals, commits, expiry and the sizing helpers."""
+
+import math
+import tracemalloc
+
+import pytest
+
+from crossfed.darl.leases import (
+    LeaseBook,
+    LeaseError,
+    LeaseSizingError,
+    lease_blocks,
+    lease_ttl,
+    proportional_grant,
+)
+
+TTL = 10.0
+
+
+def book_with(*sites: str, n_blocks: int = 100) -> LeaseBook:
+    book = LeaseBook(n_blocks)
+    for site in sites:
+        book.register(site, 0.0)
+    return book
+
+
+def code_of(excinfo) -> str:
+    return excinfo.value.code
+
+
+# ---- grant ---------------------------------------------------------------------------------
+
+
+def test_grants_are_contiguous_disjoint_and_drain_the_pool():
+    book = book_with("a", "b", n_blocks=10)
+    la = book.grant("a", 4, 0.0, TTL, 0)
+    lb = book.grant("b", 4, 0.0, TTL, 0)
+    assert (la.start, la.end, lb.start, lb.end) == (0, 4, 4, 8)
+    book.commit(la.lease_id, "a", 4, 1.0)
+    la2 = book.grant("a", 4, 1.0, TTL, 1)
+    assert (la2.start, la2.end) == (8, 10)  # shorter than asked: the pool had two left
+    book.commit(la2.lease_id, "a", 2, 2.0)
+    assert book.pool_size == 0
+    assert book.grant("a", 4, 2.0, TTL, 2) is None
+
+
+def test_returned_spans_are_granted_lowest_first_before_fresh_ones():
+    book = book_with("a", "b", "c", n_blocks=100)
+    la = book.grant("a", 10, 0.0, TTL, 0)  # [0, 10)
+    lb = book.grant("b", 10, 0.0, TTL, 0)  # [10, 20)
+    lc = book.grant("c", 10, 0.0, TTL, 0)  # [20, 30)
+    book.commit(lb.lease_id, "b", 3, 1.0)  # [13, 20) returns
+    book.release(la.lease_id, "a", 1.0)  # [0, 10) returns
+    assert book.pool_spans() == [(0, 10), (13, 20), (30, 100)]
+    first = book.grant("a", 4, 2.0, TTL, 1)
+    assert (first.start, first.end) == (0, 4)
+    second = book.grant("b", 50, 2.0, TTL, 1)
+    assert (second.start, second.end) == (4, 10)  # one contiguous run only
+    book.release(lc.lease_id, "c", 3.0)  # [20, 30) joins [13, 20) and the fresh tail
+    assert book.pool_spans() == [(13, 100)]
+
+
+def test_grant_errors():
+    book = book_with("a")
+    with pytest.raises(LeaseError) as e:
+        book.grant("ghost", 1, 0.0, TTL, 0)
+    assert code_of(e) == "unknown_site"
+    book.grant("a", 5, 0.0, TTL, 0)
+    with pytest.raises(LeaseError) as e:
+        book.grant("a", 5, 0.0, TTL, 0)
+    assert code_of(e) == "already_holding"
+    for bad in [dict(n_blocks=0), dict(ttl_s=0.0), dict(ttl_s=math.inf), dict(now=math.nan)]:
+        args = dict(site="a", n_blocks=1, now=0.0, ttl_s=TTL, round_no=0) | bad
+        with pytest.raises(LeaseError) as e:
+            book_with("a").grant(**args)
+        assert code_of(e) == "bad_argument"
+
+
+# ---- heartbeat -----------------------------------------------------------------------------
+
+
+def test_heartbeat_extends_ttl_and_tracks_progress():
+    book = book_with("a")
+    lease = book.grant("a", 5, 0.0, TTL, 0)
+    hb = book.heartbeat(lease.lease_id, "a", 2, 8.0)
+    assert (hb.consumed, hb.expires_at) == (2, 18.0)
+    hb = book.heartbeat(lease.lease_id, "a", 2, 9.0, ttl_s=30.0)
+    assert (hb.expires_at, hb.ttl_s) == (39.0, 30.0)
+    assert book.expire(38.9) == []
+    assert [x.lease_id for x in book.expire(39.0)] == [lease.lease_id]
+
+
+@pytest.mark.parametrize("consumed", [1, 6, -1])
+def test_heartbeat_bad_progress(consumed):
+    book = book_with("a")
+    lease = book.grant("a", 5, 0.0, TTL, 0)
+    book.heartbeat(lease.lease_id, "a", 2, 1.0)
+    before = book.snapshot()
+    with pytest.raises(LeaseError) as e:
+        book.heartbeat(lease.lease_id, "a", consumed, 2.0)
+    assert code_of(e) in {"bad_progress", "bad_argument"}
+    assert book.snapshot() == before
+
+
+def test_heartbeat_errors():
+    book = book_with("a", "b")
+    lease = book.grant("a", 5, 0.0, TTL, 0)
+    cases = [
+        ((999, "a", 0, 1.0), "unknown_lease"),
+        ((lease.lease_id, "b", 0, 1.0), "not_owner"),
+        ((lease.lease_id, "a", 0, TTL), "expired"),  # past its TTL, even before expire()
+    ]
+    for args, code in cases:
+        with pytest.raises(LeaseError) as e:
+            book.heartbeat(*args)
+        assert code_of(e) == code
+    book.commit(lease.lease_id, "a", 5, 1.0)
+    with pytest.raises(LeaseError) as e:
+        book.heartbeat(lease.lease_id, "a", 5, 2.0)
+    assert code_of(e) == "committed"
+    lb = book.grant("b", 5, 2.0, TTL, 0)
+    book.expire(2.0 + TTL)
+    with pytest.raises(LeaseError) as e:
+        book.heartbeat(lb.lease_id, "b", 0, 13.0)
+    assert code_of(e) == "expired"
+
+
+# ---- steal ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "consumed", "victim_keeps", "thief_gets"),
+    [(20, 0, 10, 10), (20, 5, 13, 7), (10, 7, 9, 1), (10, 3, 7, 3), (9, 0, 5, 4)],
+)
+def test_steal_arithmetic(size, consumed, victim_keeps, thief_gets):
+    book = book_with("v", "t", n_blocks=size)
+    lease = book.grant("v", size, 0.0, TTL, 0)
+    book.heartbeat(lease.lease_id, "v", consumed, 1.0)
+    stolen = book.steal("t", 2.0, 5.0, 1)
+    assert stolen.n_blocks == thief_gets
+    assert (stolen.start, stolen.end, stolen.expires_at) == (victim_keeps, size, 7.0)
+    victim = book.heartbeat(lease.lease_id, "v", consumed, 3.0)
+    assert (victim.start, victim.end) == (0, victim_keeps)
+    stats = book.site_stats()
+    assert (stats["v"].blocks_granted, stats["v"].stolen_from) == (victim_keeps, 1)
+    assert (stats["t"].blocks_granted, stats["t"].steals, stats["t"].grants) == (thief_gets, 1, 1)
+
+
+def test_steal_takes_from_the_largest_untouched_rest():
+    book = book_with("a", "b", "c", "t", n_blocks=30)
+    la = book.grant("a", 12, 0.0, TTL, 0)  # rest 12-8-1 = 3
+    lb = book.grant("b", 10, 0.0, TTL, 0)  # rest 10-0-1 = 9
+    book.grant("c", 8, 0.0, TTL, 0)  # rest 7
+    book.heartbeat(la.lease_id, "a", 8, 1.0)
+    stolen = book.steal("t", 1.0, TTL, 0)
+    assert (stolen.start, stolen.end) == (lb.start + 5, lb.end)
+    assert book.lease(lb.lease_id).end == lb.start + 5
+
+
+def test_steal_refusals():
+    book = book_with("v", "t", n_blocks=4)
+    with pytest.raises(LeaseError) as e:
+        book.steal("t", 0.0, TTL, 0)
+    assert code_of(e) == "pool_not_empty"
+    lease = book.grant("v", 4, 0.0, TTL, 0)
+    book.heartbeat(lease.lease_id, "v", 3, 1.0)  # nothing beyond the block in progress
+    assert book.steal("t", 1.0, TTL, 0) is None
+    with pytest.raises(LeaseError) as e:
+        book.steal("ghost", 1.0, TTL, 0)
+    assert code_of(e) == "unknown_site"
+
+
+def test_steal_never_takes_from_self():
+    book = book_with("v", n_blocks=10)
+    book.grant("v", 10, 0.0, TTL, 0)
+    with pytest.raises(LeaseError) as e:
+        book.steal("v", 1.0, TTL, 0)
+    assert code_of(e) == "already_holding"
+
+
+# ---- commit / release / expire -------------------------------------------------------------
+
+
+def test_commit_is_idempotent_and_returns_the_rest():
+    book = book_with("a", n_blocks=10)
+    lease = book.grant("a", 6, 0.0, TTL, 0)
+    res = book.commit(lease.lease_id, "a", 4, 1.0)
+    assert (res.committed, res.returned, res.already) == (4, 2, False)
+    snap = book.snapshot()
+    again = book.commit(lease.lease_id, "a", 4, 50.0)  # a retry, even past the TTL
+    assert (again.committed, again.returned, again.already) == (4, 2, True)
+    assert book.snapshot() == snap
+    assert [book.is_committed(p) for p in range(6)] == [True] * 4 + [False] * 2
+    assert book.pool_spans() == [(4, 10)]
+    with pytest.raises(LeaseError) as e:
+        book.commit(lease.lease_id, "a", 3, 2.0)
+    assert code_of(e) == "commit_mismatch"
+
+
+def test_commit_errors():
+    book = book_with("a", "b", n_blocks=10)
+    lease = book.grant("a", 5, 0.0, TTL, 0)
+    for args, code in [
+        ((lease.lease_id, "b", 5, 1.0), "not_owner"),
+        ((lease.lease_id, "a", 6, 1.0), "bad_progress"),
+        ((lease.lease_id, "a", 5, TTL + 1), "expired"),
+        ((77, "a", 5, 1.0), "unknown_lease"),
+    ]:
+        with pytest.raises(LeaseError) as e:
+            book.commit(*args)
+        assert code_of(e) == code
+    assert book.release(lease.lease_id, "a", 2.0) == 5
+    with pytest.raises(LeaseError) as e:
+        book.commit(lease.lease_id, "a", 5, 3.0)
+    assert code_of(e) == "expired"
+    assert book.release(lease.lease_id, "a", 3.0) == 0  # releasing twice is harmless
+
+
+def test_expire_returns_every_block_and_counts_the_loss():
+    book = book_with("a", "b", n_blocks=20)
+    la = book.grant("a", 9, 0.0, TTL, 0)
+    lb = book.grant("b", 5, 0.0, 100.0, 0)
+    book.heartbeat(la.lease_id, "a", 6, 5.0)  # trained but never committed
+    dead = book.expire(15.0)
+    assert [(d.lease_id, d.status) for d in dead] == [(la.lease_id, "expired")]
+    assert book.pool_spans() == [(0, 9), (14, 20)]
+    stats = book.site_stats()["a"]
+    assert (stats.blocks_lost, stats.ttl_expiries, stats.blocks_committed) == (9, 1, 0)
+    assert [x.lease_id for x in book.active_leases()] == [lb.lease_id]
+    assert book.expire(15.0) == []
+
+
+def test_crashed_site_blocks_are_regranted_and_committed_once():
+    # paper: a site died holding nine blocks; five went to LUMI, four to its own restart
+    book = book_with("frontier", "lumi", n_blocks=9)
+    dead = book.grant("frontier", 9, 0.0, TTL, 0)
+    book.register("frontier", 5.0)  # the restarted job joins again
+    assert book.expire(TTL) and book.pool_spans() == [(0, 9)]
+    lumi = book.grant("lumi", 5, TTL, TTL, 1)
+    frontier = book.grant("frontier", 4, TTL, TTL, 1)
+    book.commit(lumi.lease_id, "lumi", 5, 12.0)
+    book.commit(frontier.lease_id, "frontier", 4, 12.0)
+    assert book.epoch_complete()
+    with pytest.raises(LeaseError) as e:
+        book.commit(dead.lease_id, "frontier", 9, 12.0)
+    assert code_of(e) == "expired"
+    stats = book.site_stats()
+    assert stats["frontier"].entries == 2
+    assert (stats["frontier"].blocks_granted, stats["frontier"].blocks_lost) == (13, 9)
+    assert sum(s.blocks_committed for s in stats.values()) == book.committed_total == 9
+
+
+def test_epochs():
+    book = book_with("a", n_blocks=3)
+    lease = book.grant("a", 3, 0.0, TTL, 0)
+    with pytest.raises(LeaseError) as e:
+        book.next_epoch()
+    assert code_of(e) == "epoch_incomplete"
+    book.commit(lease.lease_id, "a", 3, 1.0)
+    book.next_epoch()
+    assert (book.epoch, book.committed_in_epoch, book.committed_total) == (1, 0, 3)
+    assert book.pool_spans() == [(0, 3)] and not book.is_committed(0)
+    assert book.commit(lease.lease_id, "a", 3, 2.0).already  # retry from the old epoch
+    with pytest.raises(LeaseError) as e:
+        book.heartbeat(lease.lease_id, "a", 3, 2.0)
+    assert code_of(e) == "stale_epoch"
+    nxt = book.grant("a", 3, 2.0, TTL, 1)
+    assert nxt.epoch == 1
+
+
+def test_is_committed_bounds():
+    with pytest.raises(LeaseError) as e:
+        LeaseBook(3).is_committed(3)
+    assert code_of(e) == "bad_argument"
+    with pytest.raises(LeaseError):
+        LeaseBook(0)
+
+
+def test_returned_leases_are_copies():
+    book = book_with("a")
+    lease = book.grant("a", 5, 0.0, TTL, 0)
+    lease.end = 100
+    assert book.lease(lease.lease_id).end == 5
+
+
+def test_hot_paths_do_not_allocate_per_block():
+    big = book_with("a", "b", n_blocks=10**7)
+    la = big.grant("a", 1000, 0.0, TTL, 0)
+    big.grant("b", 1000, 0.0, TTL, 0)
+    big.commit(la.lease_id, "a", 500, 1.0)  # leaves a returned run below the cursor
+    tracemalloc.start()
+    try:
+        for r in range(50):
+            now = 2.0 + r
+            lease = big.grant("a", 1000, now, TTL, r)
+            big.heartbeat(lease.lease_id, "a", lease.n_blocks // 2, now + 0.5)
+            big.commit(lease.lease_id, "a", lease.n_blocks - 1, now + 0.9)
+            big.expire(now + 0.9)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 200_000  # far below one byte per block (10 MB)
+
+
+# ---- sizing helpers ------------------------------------------------------------------------
+
+
+def test_lease_blocks():
+    assert lease_blocks(1000, 8, 8, 1, 1024) == 63  # ceil(64000 / 1024)
+    assert lease_blocks(100, 8, 8, 5, 1024) == 32  # exact division
+    assert lease_blocks(1, 1, 1, 1, 1024) == 1
+    for bad in [(0, 1, 1, 1, 1), (1, 1, 1, 1, 0), (1.5, 1, 1, 1, 1)]:
+        with pytest.raises(LeaseSizingError):
+            lease_blocks(*bad)
+
+
+def test_lease_ttl():
+    assert lease_ttl(2.0, 0.347) == pytest.approx(2.5 * 2.0 + 2.0 * 0.347)
+    assert lease_ttl(4.0, 0.1, alpha=3.0, beta_rtt=0.0) == pytest.approx(12.0)
+    with pytest.raises(LeaseSizingError):
+        lease_ttl(0.0, 0.0)
+    with pytest.raises(LeaseSizingError):
+        lease_ttl(-1.0, 0.1)
+
+
+def test_proportional_grant():
+    assert proportional_grant(10, None, 2.0) == 10
+    assert proportional_grant(10, 3.0, None) == 10
+    assert proportional_grant(10, 3.0, 2.0) == 15
+    assert proportional_grant(10, 1.0, 4.0) == 3  # 2.5 rounds half up
+    assert proportional_grant(10, 0.0, 4.0) == 1
+    assert proportional_grant(10, 0.0, 4.0, lo=2) == 2
+    assert proportional_grant(10, 9.0, 1.0, hi=40) == 40
+    assert proportional_grant(10, 1.0, 0.0) == 10
+    with pytest.raises(LeaseSizingError):
+        proportional_grant(0, 1.0, 1.0)
+    with pytest.raises(LeaseSizingError):
+        proportional_grant(10, -1.0, 1.0)
+    with pytest.raises(LeaseSizingError):
+        proportional_grant(10, 1.0, 1.0, lo=5, hi=4)
