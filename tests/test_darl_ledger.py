@@ -1,0 +1,481 @@
+"""DARL ledger: event log and replay, commit audit, Table 3, and a stateful model check."""
+
+import math
+import sqlite3
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from crossfed.darl.blockspace import BlockSpace
+from crossfed.darl.leases import LeaseBook, LeaseError
+from crossfed.darl.ledger import (
+    TABLE3_COLUMNS,
+    DuplicateCommitError,
+    LedgerError,
+    LedgerStore,
+    apply_event,
+)
+
+TTL = 10.0
+
+
+def store() -> LedgerStore:
+    return LedgerStore(sqlite3.connect(":memory:"))
+
+
+def run(book: LeaseBook, ledger: LedgerStore, op: str, **args):
+    result = apply_event(book, op, args)
+    ledger.record(op, args)
+    return result
+
+
+# ---- event log -----------------------------------------------------------------------------
+
+
+def test_replay_rebuilds_the_same_book(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    conn = sqlite3.connect(path)
+    ledger, book = LedgerStore(conn), LeaseBook(50)
+    run(book, ledger, "register", site="a", now=0.0)
+    run(book, ledger, "register", site="b", now=0.5)
+    la = run(book, ledger, "grant", site="a", n_blocks=30, now=1.0, ttl_s=TTL, round_no=0)
+    lb = run(book, ledger, "grant", site="b", n_blocks=30, now=1.0, ttl_s=TTL, round_no=0)
+    run(book, ledger, "heartbeat", lease_id=la.lease_id, site="a", consumed=4, now=2.0)
+    run(book, ledger, "commit", lease_id=lb.lease_id, site="b", consumed=20, now=3.0)
+    run(book, ledger, "steal", site="b", now=3.5, ttl_s=TTL, round_no=1)
+    run(book, ledger, "heartbeat", lease_id=la.lease_id, site="a", consumed=5, now=4, ttl_s=2.5)
+    run(book, ledger, "expire", now=30.0)
+    conn.commit()
+    conn.close()
+
+    conn = sqlite3.connect(path)
+    fresh = LeaseBook(50)
+    assert LedgerStore(conn).replay(fresh) == 9
+    assert fresh.snapshot() == book.snapshot()
+
+
+def test_uncommitted_events_are_not_durable(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    conn = sqlite3.connect(path)
+    ledger = LedgerStore(conn)
+    conn.commit()
+    ledger.record("register", {"site": "a", "now": 0.0})
+    conn.rollback()
+    assert LedgerStore(sqlite3.connect(path)).events() == []
+
+
+def test_refused_events_replay_as_no_ops():
+    ledger, book = store(), LeaseBook(5)
+    run(book, ledger, "register", site="a", now=0.0)
+    bad = {"lease_id": 42, "site": "a", "consumed": 1, "now": 1.0}
+    with pytest.raises(LeaseError):
+        apply_event(book, "heartbeat", bad)
+    ledger.record("heartbeat", bad)  # a caller that records before applying
+    fresh = LeaseBook(5)
+    assert ledger.replay(fresh) == 2
+    assert fresh.snapshot() == book.snapshot()
+    with pytest.raises(LeaseError):
+        ledger.replay(LeaseBook(5), strict=True)
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "match"),
+    [
+        ("launch", {"now": 0.0}, "unknown DARL op"),
+        ("grant", {"site": "a", "now": 0.0}, "missing"),
+        ("expire", {"now": math.nan}, "JSON"),
+        ("expire", {"now": object()}, "JSON"),
+    ],
+)
+def test_malformed_events_are_refused(op, args, match):
+    ledger = store()
+    with pytest.raises(LedgerError, match=match):
+        ledger.record(op, args)
+    assert ledger.events() == []
+
+
+def test_apply_event_refuses_unknown_ops():
+    with pytest.raises(LedgerError, match="unknown DARL op"):
+        apply_event(LeaseBook(3), "explode", {"now": 0.0})
+
+
+def test_bind_space():
+    ledger = store()
+    space = BlockSpace(100, 10, 1)
+    ledger.bind_space(space.digest(), space.n_blocks)
+    ledger.bind_space(space.digest(), space.n_blocks)
+    with pytest.raises(LedgerError, match="space_digest"):
+        ledger.bind_space(BlockSpace(100, 10, 2).digest(), space.n_blocks)
+
+
+# ---- commit audit --------------------------------------------------------------------------
+
+
+def test_audit_refuses_duplicates_without_partial_writes():
+    ledger = store()
+    ledger.record_commit_blocks(0, "a", 1, [5, 3, 9])
+    ledger.record_commit_blocks(1, "a", 7, [5])  # another epoch is fine
+    with pytest.raises(DuplicateCommitError, match="block 9 already committed by 'a'"):
+        ledger.record_commit_blocks(0, "b", 2, [1, 2, 9])
+    with pytest.raises(DuplicateCommitError, match="twice"):
+        ledger.record_commit_blocks(0, "b", 2, [4, 4])
+    assert ledger.audit_counts() == {"a": 4}
+    assert ledger.audit_counts(epoch=0) == {"a": 3}
+    ledger.record_commit_blocks(0, "b", 2, np.arange(10, 1200))  # chunked duplicate check
+    assert ledger.audit_counts(epoch=0) == {"a": 3, "b": 1190}
+
+
+# ---- Table 3 -------------------------------------------------------------------------------
+
+
+def test_table3_identities():
+    ledger, book = store(), LeaseBook(40)
+    for site in ("frontier", "lumi", "snellius"):
+        run(book, ledger, "register", site=site, now=0.0)
+    lf = run(book, ledger, "grant", site="frontier", n_blocks=9, now=0.0, ttl_s=TTL, round_no=0)
+    ll = run(book, ledger, "grant", site="lumi", n_blocks=10, now=0.0, ttl_s=TTL, round_no=0)
+    run(book, ledger, "commit", lease_id=ll.lease_id, site="lumi", consumed=10, now=5.0)
+    run(book, ledger, "expire", now=TTL)
+    assert lf.lease_id not in [x.lease_id for x in book.active_leases()]
+    run(book, ledger, "register", site="frontier", now=11.0)
+    lf2 = run(book, ledger, "grant", site="frontier", n_blocks=4, now=11.0, ttl_s=TTL, round_no=1)
+    run(book, ledger, "commit", lease_id=lf2.lease_id, site="frontier", consumed=4, now=12.0)
+    run(book, ledger, "grant", site="snellius", n_blocks=3, now=12.0, ttl_s=TTL, round_no=1)
+
+    table = ledger.table3(book, {"frontier": 8, "lumi": 8, "snellius": 4}, {"lumi": 70.0})
+    assert list(table.columns) == TABLE3_COLUMNS
+    assert table["site"].tolist() == ["frontier", "lumi", "snellius", "total"]
+    sites, total = table.iloc[:-1], table.iloc[-1]
+    for col in TABLE3_COLUMNS[3:]:
+        assert total[col] == sites[col].sum()
+    assert total["ranks"] == 20 and pd.isna(total["rtt_ms"])
+    assert pd.isna(table.loc[0, "rtt_ms"]) and table.loc[1, "rtt_ms"] == 70.0
+    assert total["blocks_committed"] == book.committed_total == 14
+    frontier = table.iloc[0]
+    assert (frontier["entries"], frontier["grants"], frontier["ttl_expiries"]) == (2, 2, 1)
+    assert (frontier["blocks_granted"], frontier["blocks_lost"]) == (13, 9)
+    held = {x.site: x.n_blocks for x in book.active_leases()}
+    for _, row in sites.iterrows():
+        lost_or_held = row["blocks_lost"] + held.get(row["site"], 0)
+        assert row["blocks_granted"] == row["blocks_committed"] + lost_or_held
+
+
+# ---- stateful model check ------------------------------------------------------------------
+
+
+class LeaseModel(RuleBasedStateMachine):
+    """LeaseBook against a set-based reference model, with crashes, steals and restarts."""
+
+    @initialize(n_blocks=st.integers(1, 30), seed=st.integers(0, 2**64 - 1))
+    def setup(self, n_blocks, seed):
+        self.n = n_blocks
+        self.space = BlockSpace(n_blocks, 1, seed)
+        self.conn = sqlite3.connect(":memory:")
+        self.ledger = LedgerStore(self.conn)
+        self.book = LeaseBook(n_blocks)
+        self.now = 0.0
+        self.epoch = 0
+        self.pool = set(range(n_blocks))
+        self.committed: set[int] = set()
+        self.leases: dict[int, dict] = {}  # active leases only
+        self.last_commit: dict[str, tuple[int, int]] = {}  # site -> (lease_id, consumed)
+        self.crashed: set[str] = set()
+        self.stats: dict[str, dict[str, int]] = {}
+        self.committed_total = 0
+
+    # ---- helpers
+
+    def do(self, op, **args):
+        result = apply_event(self.book, op, args)
+        self.ledger.record(op, args)
+        return result
+
+    def refused(self, code, op, **args):
+        before = self.book.snapshot()
+        with pytest.raises(LeaseError) as e:
+            apply_event(self.book, op, args)
+        assert e.value.code == code
+        assert self.book.snapshot() == before
+
+    def held(self, site):
+        for lease_id, lease in self.leases.items():
+            if lease["site"] == site:
+                return lease_id, lease
+        return None, None
+
+    def bump(self, site, **deltas):
+        for key, d in deltas.items():
+            self.stats[site][key] += d
+
+    def live_sites(self):
+        return sorted(s for s in self.stats if s not in self.crashed)
+
+    # ---- rules
+
+    @rule()
+    @precondition(lambda self: len(self.stats) < 5)
+    def join(self):
+        site = f"s{len(self.stats)}"
+        self.do("register", site=site, now=self.now)
+        self.stats[site] = dict(entries=1, grants=0, granted=0, committed=0, lost=0, expiries=0)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.crashed)
+    def rejoin(self, data):
+        site = data.draw(st.sampled_from(sorted(self.crashed)))
+        self.do("register", site=site, now=self.now)
+        self.crashed.discard(site)
+        self.bump(site, entries=1)
+
+    def grant_to(self, site, n, ttl):
+        if self.held(site)[0] is not None:
+            args = dict(site=site, n_blocks=n, now=self.now, ttl_s=ttl, round_no=0)
+            return self.refused("already_holding", "grant", **args)
+        lease = self.do("grant", site=site, n_blocks=n, now=self.now, ttl_s=ttl, round_no=0)
+        if not self.pool:
+            assert lease is None
+            return
+        start = min(self.pool)
+        end = start
+        while end in self.pool and end - start < n:
+            end += 1
+        assert (lease.start, lease.end, lease.site) == (start, end, site)
+        self.pool -= set(range(start, end))
+        self.leases[lease.lease_id] = dict(
+            site=site, start=start, end=end, consumed=0, expires_at=self.now + ttl, ttl=ttl
+        )
+        self.bump(site, grants=1, granted=end - start)
+
+    def commit_lease(self, lease_id, full):
+        lease = self.leases[lease_id]
+        site, start, end = lease["site"], lease["start"], lease["end"]
+        consumed = end - start if full else lease["consumed"]
+        args = dict(lease_id=lease_id, site=site, consumed=consumed, now=self.now)
+        if self.now >= lease["expires_at"]:
+            return self.refused("expired", "commit", **args)
+        res = self.do("commit", **args)
+        assert (res.committed, res.returned, res.already) == (consumed, end - start - consumed, 0)
+        blocks = self.space.blocks(start, start + consumed, epoch=self.epoch)
+        self.ledger.record_commit_blocks(self.epoch, site, lease_id, blocks)
+        del self.leases[lease_id]
+        self.committed |= set(range(start, start + consumed))
+        self.pool |= set(range(start + consumed, end))
+        self.committed_total += consumed
+        self.last_commit[site] = (lease_id, consumed)
+        self.bump(site, committed=consumed, lost=end - start - consumed)
+
+    @rule(data=st.data(), n=st.integers(1, 16), ttl=st.sampled_from([1.0, 3.0, 10.0]))
+    @precondition(lambda self: self.live_sites())
+    def grant(self, data, n, ttl):
+        self.grant_to(data.draw(st.sampled_from(self.live_sites())), n, ttl)
+
+    @rule(n=st.integers(1, 8))
+    def work_round(self, n):
+        """Every live site commits its lease in full if it holds one, else asks for one."""
+        for site in self.live_sites():
+            lease_id, _ = self.held(site)
+            if lease_id is None:
+                self.grant_to(site, n, 10.0)
+            else:
+                self.commit_lease(lease_id, full=True)
+
+    @rule(data=st.data(), step=st.integers(0, 4), ttl=st.sampled_from([None, 2.0, 10.0]))
+    @precondition(lambda self: any(v["site"] not in self.crashed for v in self.leases.values()))
+    def heartbeat(self, data, step, ttl):
+        ids = sorted(i for i, v in self.leases.items() if v["site"] not in self.crashed)
+        lease_id = data.draw(st.sampled_from(ids))
+        lease = self.leases[lease_id]
+        consumed = min(lease["end"] - lease["start"], lease["consumed"] + step)
+        args = dict(lease_id=lease_id, site=lease["site"], consumed=consumed, now=self.now)
+        if ttl is not None:
+            args["ttl_s"] = ttl
+        if self.now >= lease["expires_at"]:
+            return self.refused("expired", "heartbeat", **args)
+        got = self.do("heartbeat", **args)
+        lease["ttl"] = ttl if ttl is not None else lease["ttl"]
+        lease["consumed"] = consumed
+        lease["expires_at"] = self.now + lease["ttl"]
+        assert (got.start, got.end, got.expires_at) == (
+            lease["start"],
+            lease["end"],
+            lease["expires_at"],
+        )
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.live_sites())
+    def crash(self, data):
+        self.crashed.add(data.draw(st.sampled_from(self.live_sites())))
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0]), then_expire=st.booleans())
+    def tick(self, dt, then_expire):
+        """Advance the fake clock; the coordinator's expiry sweep may or may not run yet."""
+        self.now += dt
+        if not then_expire:
+            return
+        dead = self.do("expire", now=self.now)
+        want = sorted(i for i, v in self.leases.items() if v["expires_at"] <= self.now)
+        assert sorted(x.lease_id for x in dead) == want
+        for lease_id in want:
+            lease = self.leases.pop(lease_id)
+            self.pool |= set(range(lease["start"], lease["end"]))
+            self.bump(lease["site"], lost=lease["end"] - lease["start"], expiries=1)
+
+    @rule(data=st.data(), ttl=st.sampled_from([3.0, 10.0]))
+    @precondition(lambda self: self.live_sites())
+    def steal(self, data, ttl):
+        site = data.draw(st.sampled_from(self.live_sites()))
+        args = dict(site=site, now=self.now, ttl_s=ttl, round_no=1)
+        if self.held(site)[0] is not None:
+            return self.refused("already_holding", "steal", **args)
+        if self.pool:
+            return self.refused("pool_not_empty", "steal", **args)
+        best, rest = None, 0
+        for lease_id in sorted(self.leases):
+            lease = self.leases[lease_id]
+            r = lease["end"] - lease["start"] - lease["consumed"] - 1
+            if lease["site"] != site and r > rest:
+                best, rest = lease_id, r
+        got = self.do("steal", **args)
+        if best is None:
+            assert got is None
+            return
+        victim = self.leases[best]
+        tail = rest - rest // 2
+        assert (got.start, got.end) == (victim["end"] - tail, victim["end"])
+        victim["end"] -= tail
+        self.leases[got.lease_id] = dict(
+            site=site, start=got.start, end=got.end, consumed=0, expires_at=self.now + ttl, ttl=ttl
+        )
+        self.bump(victim["site"], granted=-tail)
+        self.bump(site, grants=1, granted=tail)
+
+    @rule(data=st.data(), full=st.booleans())
+    @precondition(lambda self: any(v["site"] not in self.crashed for v in self.leases.values()))
+    def commit(self, data, full):
+        ids = sorted(i for i, v in self.leases.items() if v["site"] not in self.crashed)
+        self.commit_lease(data.draw(st.sampled_from(ids)), full)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.last_commit)
+    def commit_again(self, data):
+        site = data.draw(st.sampled_from(sorted(self.last_commit)))
+        lease_id, consumed = self.last_commit[site]
+        before = self.book.snapshot()
+        res = self.do("commit", lease_id=lease_id, site=site, consumed=consumed, now=self.now)
+        assert res.already and res.committed == consumed
+        assert self.book.snapshot() == before
+
+    @rule(data=st.data())
+    @precondition(lambda self: any(v["site"] not in self.crashed for v in self.leases.values()))
+    def release(self, data):
+        ids = sorted(i for i, v in self.leases.items() if v["site"] not in self.crashed)
+        lease_id = data.draw(st.sampled_from(ids))
+        lease = self.leases.pop(lease_id)
+        n = self.do("release", lease_id=lease_id, site=lease["site"], now=self.now)
+        assert n == lease["end"] - lease["start"]
+        self.pool |= set(range(lease["start"], lease["end"]))
+        self.bump(lease["site"], lost=n)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.leases and len(self.stats) > 1)
+    def impostor(self, data):
+        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        owner = self.leases[lease_id]["site"]
+        other = data.draw(st.sampled_from(sorted(s for s in self.stats if s != owner)))
+        args = dict(lease_id=lease_id, site=other, consumed=0, now=self.now)
+        self.refused("not_owner", "commit", **args)
+        self.ledger.record("commit", args)  # a refused command in the log replays as a no-op
+
+    @rule()
+    def restart(self):
+        self.conn.commit()
+        fresh = LeaseBook(self.n)
+        self.ledger.replay(fresh)
+        assert fresh.snapshot() == self.book.snapshot()
+        self.book = fresh
+
+    @rule()
+    @precondition(lambda self: len(self.committed) == self.n)
+    def next_epoch(self):
+        assert self.book.epoch_complete()
+        audit = self.conn.execute(
+            "SELECT COUNT(*), COUNT(DISTINCT block), MIN(block), MAX(block)"
+            " FROM darl_committed WHERE epoch = ?",
+            (self.epoch,),
+        ).fetchone()
+        assert audit == (self.n, self.n, 0, self.n - 1)  # every block exactly once
+        self.do("next_epoch", now=self.now)
+        self.epoch += 1
+        self.pool, self.committed = set(range(self.n)), set()
+        self.last_commit.clear()
+
+    # ---- invariants
+
+    @invariant()
+    def partition(self):
+        book = self.book
+        active: list[int] = []
+        for lease in book.active_leases():
+            active.extend(range(lease.start, lease.end))
+        assert len(active) == len(set(active))  # no position in two leases
+        committed = {p for a, b in book.committed_spans() for p in range(a, b)}
+        pool = {p for a, b in book.pool_spans() for p in range(a, b)}
+        assert not committed & set(active) and not pool & set(active) and not pool & committed
+        assert committed | set(active) | pool == set(range(self.n))  # nothing lost
+        assert committed == self.committed and pool == self.pool
+        assert book.pool_size == len(pool) and book.committed_in_epoch == len(committed)
+
+    @invariant()
+    def leases_match(self):
+        got = {x.lease_id: x for x in self.book.active_leases()}
+        assert set(got) == set(self.leases)
+        for lease_id, want in self.leases.items():
+            lease = got[lease_id]
+            assert (lease.site, lease.start, lease.end, lease.consumed, lease.expires_at) == (
+                want["site"],
+                want["start"],
+                want["end"],
+                want["consumed"],
+                want["expires_at"],
+            )
+
+    @invariant()
+    def accounting(self):
+        stats = self.book.site_stats()
+        assert sum(s.blocks_committed for s in stats.values()) == self.book.committed_total
+        assert self.book.committed_total == self.committed_total
+        held = {v["site"]: v["end"] - v["start"] for v in self.leases.values()}
+        for site, want in self.stats.items():
+            s = stats[site]
+            assert (s.entries, s.grants, s.blocks_granted) == (
+                want["entries"],
+                want["grants"],
+                want["granted"],
+            )
+            assert (s.blocks_committed, s.blocks_lost, s.ttl_expiries) == (
+                want["committed"],
+                want["lost"],
+                want["expiries"],
+            )
+            assert s.blocks_granted == s.blocks_committed + s.blocks_lost + held.get(site, 0)
+        audited = sum(self.ledger.audit_counts().values())
+        assert audited == self.committed_total
+
+
+LeaseModel.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestLeaseModel = LeaseModel.TestCase
