@@ -1,0 +1,303 @@
+"""Slurm accounting: duration parsing, the walltime discount gamma, and per-GPU token rates.
+
+Pure parsers take text or tables and a ``now``; ``run_sacct`` is the only function that
+touches a process.
+
+Walltime discount. ``sbatch --test-only`` assumes every queued job runs to its full time
+limit, so its start estimates are pessimistic. gamma is the realised fraction of requested
+walltime over a trailing window, estimated by default as the *ratio of sums*
+``sum(Elapsed) / sum(Timelimit)``: it weights each job by the walltime it reserved, which is
+what a queue estimate is built from, and one aborted job cannot drag it to zero the way it
+could drag a mean of ratios. ``method="median"`` gives the median of per-job ratios instead.
+The result is clipped to ``[floor, 1]``; with fewer than ``min_jobs`` usable jobs the
+default (1.0, no discount) is returned and marked as such.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pandas as pd
+
+SACCT_FIELDS = ("JobID", "Elapsed", "Timelimit", "State", "Start", "End", "AllocTRES")
+_UNLIMITED = {"UNLIMITED", "PARTITION_LIMIT", "INFINITE", "NONE", "INVALID"}
+_UNFINISHED = {"RUNNING", "PENDING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD"}
+_DURATION = re.compile(
+    r"^(?:(?P<days>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+(?:\.\d+)?))?(?::(?P<c>\d+(?:\.\d+)?))?$"
+)
+
+
+class SlurmDurationError(ValueError):
+    """A Slurm duration string that cannot be parsed."""
+
+
+class SacctParseError(ValueError):
+    """sacct output that does not have the expected fields."""
+
+
+class SacctUnavailableError(RuntimeError):
+    """sacct could not be run (missing binary, timeout, nonzero exit)."""
+
+
+class JobLogError(ValueError):
+    """A job log file (completed rounds per site) that is missing or malformed."""
+
+
+def parse_slurm_duration(text: str | float | int) -> float | None:
+    """Seconds in a Slurm duration; ``None`` for UNLIMITED / Partition_Limit.
+
+    Accepts sacct's ``[D-]HH:MM:SS`` and ``MM:SS`` (optionally with fractional seconds) and
+    sbatch's ``-t`` forms: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``.
+    A bare number is minutes, as for ``sbatch -t``.
+    """
+    if isinstance(text, bool):
+        raise SlurmDurationError(f"not a Slurm duration: {text!r}")
+    if isinstance(text, int | float):
+        if not math.isfinite(text) or text < 0:
+            raise SlurmDurationError(f"not a Slurm duration: {text!r}")
+        return float(text) * 60.0
+    s = str(text).strip()
+    if s.upper() in _UNLIMITED:
+        return None
+    m = _DURATION.match(s)
+    if not m:
+        raise SlurmDurationError(f"not a Slurm duration: {text!r}")
+    days, a, b, c = m.group("days"), m.group("a"), m.group("b"), m.group("c")
+    parts = [float(p) for p in (a, b, c) if p is not None]
+    if days is not None:
+        # D-H, D-H:M, D-H:M:S
+        h, mi, se = (parts + [0.0, 0.0])[:3]
+        return int(days) * 86400.0 + h * 3600.0 + mi * 60.0 + se
+    if len(parts) == 1:
+        return parts[0] * 60.0
+    if len(parts) == 2:
+        return parts[0] * 60.0 + parts[1]
+    return parts[0] * 3600.0 + parts[1] * 60.0 + parts[2]
+
+
+def format_slurm_duration(seconds: float) -> str:
+    """``[D-]HH:MM:SS`` for ``sbatch -t`` (rounded up to whole seconds)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise SlurmDurationError(f"cannot format duration {seconds!r}")
+    total = math.ceil(seconds - 1e-9)
+    days, rest = divmod(total, 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    hms = f"{h:02d}:{m:02d}:{s:02d}"
+    return f"{days}-{hms}" if days else hms
+
+
+@dataclass(frozen=True)
+class SacctRecord:
+    """One allocation line of ``sacct -X -P``."""
+
+    job_id: str
+    elapsed_s: float
+    timelimit_s: float | None
+    state: str
+    start: datetime | None
+    end: datetime | None
+    alloc_tres: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs allocated (``gres/gpu`` in AllocTRES), 0 when absent."""
+        raw = self.alloc_tres.get("gres/gpu", "0")
+        try:
+            return int(raw)
+        except ValueError:
+            return 0
+
+
+def _parse_time(text: str) -> datetime | None:
+    s = text.strip()
+    if not s or s in {"Unknown", "None", "N/A"}:
+        return None
+    try:
+        return datetime.fromisoformat(s)
+    except ValueError as exc:
+        raise SacctParseError(f"bad timestamp {s!r}") from exc
+
+
+def _parse_tres(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in text.strip().split(","):
+        if "=" in item:
+            k, v = item.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def parse_sacct(text: str) -> list[SacctRecord]:
+    """Parse ``sacct -X -P -n -o JobID,Elapsed,Timelimit,State,Start,End,AllocTRES`` output."""
+    records: list[SacctRecord] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        cols = line.split("|")
+        if len(cols) != len(SACCT_FIELDS):
+            raise SacctParseError(
+                f"sacct line {lineno}: expected {len(SACCT_FIELDS)} '|'-separated fields "
+                f"({','.join(SACCT_FIELDS)}), got {len(cols)}: {line!r}"
+            )
+        if cols[0].strip() == "JobID":  # a header line slipped through
+            continue
+        try:
+            elapsed = parse_slurm_duration(cols[1]) or 0.0
+            limit = parse_slurm_duration(cols[2])
+        except SlurmDurationError as exc:
+            raise SacctParseError(f"sacct line {lineno}: {exc}") from exc
+        records.append(
+            SacctRecord(
+                job_id=cols[0].strip(),
+                elapsed_s=elapsed,
+                timelimit_s=limit,
+                state=cols[3].strip(),
+                start=_parse_time(cols[4]),
+                end=_parse_time(cols[5]),
+                alloc_tres=_parse_tres(cols[6]),
+            )
+        )
+    return records
+
+
+@dataclass(frozen=True)
+class Discount:
+    """The walltime discount and the evidence behind it."""
+
+    gamma: float
+    jobs: int
+    method: str  # "ratio", "median" or "default"
+
+
+def _comparable(a: datetime, b: datetime) -> tuple[datetime, datetime]:
+    if (a.tzinfo is None) != (b.tzinfo is None):
+        a, b = a.astimezone(), b.astimezone()
+    return a, b
+
+
+def walltime_discount(
+    records: list[SacctRecord],
+    now: datetime,
+    *,
+    window_s: float = 14 * 86400.0,
+    method: str = "ratio",
+    min_jobs: int = 3,
+    floor: float = 0.05,
+    default: float = 1.0,
+) -> Discount:
+    """gamma = realised / requested walltime over jobs that ended within ``window_s``."""
+    if method not in {"ratio", "median"}:
+        raise ValueError(f"unknown gamma method {method!r} (use 'ratio' or 'median')")
+    used: list[tuple[float, float]] = []
+    for r in records:
+        state = r.state.split()[0].upper() if r.state else ""
+        if state in _UNFINISHED or r.end is None or r.start is None:
+            continue
+        if r.timelimit_s is None or r.timelimit_s <= 0 or r.elapsed_s <= 0:
+            continue
+        end, ref = _comparable(r.end, now)
+        if (ref - end).total_seconds() > window_s:
+            continue
+        used.append((min(r.elapsed_s, r.timelimit_s), r.timelimit_s))
+    if len(used) < min_jobs:
+        return Discount(gamma=default, jobs=len(used), method="default")
+    if method == "ratio":
+        g = sum(e for e, _ in used) / sum(t for _, t in used)
+    else:
+        g = statistics.median(e / t for e, t in used)
+    return Discount(gamma=min(1.0, max(floor, g)), jobs=len(used), method=method)
+
+
+def run_sacct(
+    start: datetime, *, sacct: str = "sacct", timeout_s: float = 60.0, extra: tuple[str, ...] = ()
+) -> str:
+    """Run sacct for allocations since ``start`` and return its raw text."""
+    cmd = [sacct, "-X", "-P", "-n", "-o", ",".join(SACCT_FIELDS), "-S"]
+    cmd += [start.strftime("%Y-%m-%dT%H:%M:%S"), *extra]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError as exc:
+        raise SacctUnavailableError(f"sacct not found: {sacct}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise SacctUnavailableError(f"sacct timed out after {timeout_s:g}s") from exc
+    if proc.returncode != 0:
+        raise SacctUnavailableError(f"sacct exited {proc.returncode}: {proc.stderr.strip()[:500]}")
+    return proc.stdout
+
+
+def sacct_window_start(now: datetime, window_s: float) -> datetime:
+    """The ``-S`` argument for a trailing window ending at ``now``."""
+    return now - timedelta(seconds=window_s)
+
+
+# ----------------------------------------------------------------------------- rates
+
+JOB_LOG_COLUMNS = ("site", "tokens", "seconds", "gpus")
+
+
+@dataclass(frozen=True)
+class Rate:
+    """Per-GPU token rate of a site and where it came from."""
+
+    tokens_per_s_per_gpu: float
+    source: str  # "history" or "prior"
+    rounds: int
+
+
+def load_job_log(path: str | Path) -> pd.DataFrame:
+    """Read completed rounds (CSV, or JSON list / ``{"rounds": [...]}``) into a table."""
+    p = Path(path)
+    if not p.is_file():
+        raise JobLogError(f"job log not found: {p}")
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(p.read_text())
+            if isinstance(data, Mapping):
+                data = data.get("rounds")
+            if not isinstance(data, list):
+                raise JobLogError(f"{p}: expected a list of rounds or {{'rounds': [...]}}")
+            df = pd.DataFrame(data)
+        else:
+            df = pd.read_csv(p)
+    except (json.JSONDecodeError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise JobLogError(f"{p}: cannot parse job log: {exc}") from exc
+    return validate_job_log(df, source=str(p))
+
+
+def validate_job_log(df: pd.DataFrame, *, source: str = "job log") -> pd.DataFrame:
+    """Check the columns and types of a job log table."""
+    missing = [c for c in JOB_LOG_COLUMNS if c not in df.columns]
+    if missing:
+        raise JobLogError(f"{source}: missing columns {missing} (need {list(JOB_LOG_COLUMNS)})")
+    out = df.copy()
+    out["site"] = out["site"].astype(str)
+    for col in ("tokens", "seconds", "gpus"):
+        out[col] = pd.to_numeric(out[col], errors="coerce")
+        if out[col].isna().any():
+            raise JobLogError(f"{source}: non-numeric values in column {col!r}")
+    return out
+
+
+def per_gpu_rates(
+    job_log: pd.DataFrame | None, priors: Mapping[str, float], *, min_rounds: int = 1
+) -> dict[str, Rate]:
+    """tokens / (seconds * gpus) per site from history, else the configured prior."""
+    rates = {site: Rate(float(p), "prior", 0) for site, p in priors.items()}
+    if job_log is None or job_log.empty:
+        return rates
+    good = job_log[(job_log["seconds"] > 0) & (job_log["gpus"] > 0) & (job_log["tokens"] >= 0)]
+    for site, rows in good.groupby("site"):
+        if len(rows) < min_rounds:
+            continue
+        gpu_s = float((rows["seconds"] * rows["gpus"]).sum())
+        rates[str(site)] = Rate(float(rows["tokens"].sum()) / gpu_s, "history", len(rows))
+    return rates
