@@ -93,8 +93,11 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     client = client_for(config, "admin")
     reply = client.init_run(spec.to_dict())
     state = "created" if reply["created"] else "resumed"
-    print(f"run {state}: round {reply['round']}, generation {reply['generation']}, "
-          f"{reply['blocks_total']} blocks of {spec.block_size} windows, digest {reply['digest'][:12]}")
+    print(
+        f"run {state}: round {reply['round']}, generation {reply['generation']}, "
+        f"{reply['blocks_total']} blocks of {spec.block_size} windows, "
+        f"digest {reply['digest'][:12]}"
+    )
     _write_json(args.out, {"spec": spec.to_dict(), **reply})
     return 0
 
@@ -118,8 +121,15 @@ def cmd_site_run(args: argparse.Namespace) -> int:
         entry = plan.get("sites", {}).get(args.site, {})
         accumulation = entry.get("accumulation")
         if entry and entry.get("submit") is False:
-            _write_json(args.out, {"site": args.site, "round": args.round, "status": "not_planned",
-                                   "detail": entry.get("reason", "")})
+            _write_json(
+                args.out,
+                {
+                    "site": args.site,
+                    "round": args.round,
+                    "status": "not_planned",
+                    "detail": entry.get("reason", ""),
+                },
+            )
             return 0
     settings = site_settings(config, args.site, sites[args.site], accumulation)
     client = client_for(config, args.site)
@@ -128,8 +138,10 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     _write_json(args.out, asdict(outcome))
-    print(f"[{args.site} r{args.round}] {outcome.status}: {outcome.tokens} tokens, "
-          f"loss {outcome.loss_mean}, {outcome.tokens_per_s:.0f} tok/s {outcome.detail}")
+    print(
+        f"[{args.site} r{args.round}] {outcome.status}: {outcome.tokens} tokens, "
+        f"loss {outcome.loss_mean}, {outcome.tokens_per_s:.0f} tok/s {outcome.detail}"
+    )
     return 0
 
 
@@ -147,8 +159,11 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
             break
         seen = (len(info["deltas"]),)
         if seen != last:
-            print(f"round {args.round}: open, {len(info['deltas'])} deltas in "
-                  f"({', '.join(d['site'] for d in info['deltas']) or 'none yet'})", flush=True)
+            print(
+                f"round {args.round}: open, {len(info['deltas'])} deltas in "
+                f"({', '.join(d['site'] for d in info['deltas']) or 'none yet'})",
+                flush=True,
+            )
             last = seen
         if deadline and time.monotonic() > deadline:
             print(f"round {args.round} still open after {args.timeout_s}s", file=sys.stderr)
@@ -156,8 +171,11 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
         time.sleep(delay)
         delay = min(delay * 1.5, 2.0)
     report = info["report"]
-    print(f"round {args.round} closed ({report['reason']}): {', '.join(report['contributors'])}, "
-          f"{report['tokens']} tokens, generation {report['generation']}, merge {report['merge_s']:.2f}s")
+    print(
+        f"round {args.round} closed ({report['reason']}): {', '.join(report['contributors'])}, "
+        f"{report['tokens']} tokens, generation {report['generation']}, "
+        f"merge {report['merge_s']:.2f}s"
+    )
     _write_json(args.out, info)
     return 0
 
@@ -182,12 +200,25 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     model = build_model(config["model"]["flavour"], vocab_size=val.vocab_size)
     load_parameters(model, load_file(str(path)))
     t1 = time.perf_counter()
-    loss, ppl = evaluate(model, val.windows, val.n_windows, batch=config["eval"]["batch"],
-                         max_windows=config["eval"]["max_windows"])
+    loss, ppl = evaluate(
+        model,
+        val.windows,
+        val.n_windows,
+        batch=config["eval"]["batch"],
+        max_windows=config["eval"]["max_windows"],
+    )
     eval_s = time.perf_counter() - t1
     print(f"generation {args.generation}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
-    _write_json(args.out, {"generation": args.generation, "val_loss": loss, "val_perplexity": ppl,
-                           "eval_s": eval_s, "download_s": download_s})
+    _write_json(
+        args.out,
+        {
+            "generation": args.generation,
+            "val_loss": loss,
+            "val_perplexity": ppl,
+            "eval_s": eval_s,
+            "download_s": download_s,
+        },
+    )
     return 0
 
 
@@ -217,13 +248,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(None, status)
         return 0
-    print(f"round {status['round']}  generation {status['generation']}  global step "
-          f"{status['global_step']}  epoch {status['epoch']}  committed "
-          f"{status['blocks_committed_in_epoch']}/{status['blocks_total']} blocks")
+    print(
+        f"round {status['round']}  generation {status['generation']}  global step "
+        f"{status['global_step']}  epoch {status['epoch']}  committed "
+        f"{status['blocks_committed_in_epoch']}/{status['blocks_total']} blocks"
+    )
     for lease in status["active_leases"]:
-        print(f"  lease {lease['lease_id']:>5} {lease['site']:<10} round {lease['round']} "
-              f"{lease['consumed']}/{lease['n_blocks']} blocks, expires in "
-              f"{lease['expires_at'] - time.time():.0f}s")
+        print(
+            f"  lease {lease['lease_id']:>5} {lease['site']:<10} round {lease['round']} "
+            f"{lease['consumed']}/{lease['n_blocks']} blocks, expires in "
+            f"{lease['expires_at'] - time.time():.0f}s"
+        )
     return 0
 
 
@@ -232,8 +267,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     config = _config(args)
     summary = write_report(config, list(load_sites(config)), Path(config["results"]))
-    print(f"final held-out perplexity {summary['val_perplexity']:.2f} after {summary['rounds']} "
-          f"rounds, {summary['tokens']} tokens from {', '.join(summary['sites'])}")
+    print(
+        f"final held-out perplexity {summary['val_perplexity']:.2f} after {summary['rounds']} "
+        f"rounds, {summary['tokens']} tokens from {', '.join(summary['sites'])}"
+    )
     print(f"metrics: {Path(config['results']) / 'metrics' / 'final.json'}")
     return 0
 
@@ -241,8 +278,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- parser
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="config/config.yaml", help="run config YAML")
-    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
-                        help="override a top-level config key (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a top-level config key (repeatable)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,15 +298,19 @@ def build_parser() -> argparse.ArgumentParser:
     coord = sub.add_parser("coordinator", help="run or control the coordinator service")
     csub = coord.add_subparsers(dest="action", required=True)
     serve = csub.add_parser("serve", help="serve the coordinator HTTP API (foreground)")
-    serve.add_argument("--state-dir", required=True, help="SQLite ledger, blobs and models live here")
+    serve.add_argument(
+        "--state-dir", required=True, help="SQLite ledger, blobs and models live here"
+    )
     serve.add_argument("--secrets", required=True, help="YAML with 'admin' and per-site tokens")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8470)
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
     serve.add_argument("--ssl-keyfile")
     serve.set_defaults(func=cmd_coordinator_serve)
-    for name, func, text in (("start", cmd_coordinator_start, "start the embedded coordinator"),
-                             ("stop", cmd_coordinator_stop, "stop the embedded coordinator")):
+    for name, func, text in (
+        ("start", cmd_coordinator_start, "start the embedded coordinator"),
+        ("stop", cmd_coordinator_stop, "stop the embedded coordinator"),
+    ):
         p = csub.add_parser(name, help=text)
         _add_config(p)
         p.set_defaults(func=func)

@@ -66,5 +66,7 @@ def site_settings(
         heartbeat_s=config["darl"]["heartbeat_s"],
         inline_max_bytes=config["transport"]["inline_max_bytes"],
         device=config["model"]["device"],
-        lease_wait_s=config["darl"]["initial_ttl_s"] + config["round_policy"]["join_window_s"] + 30.0,
+        lease_wait_s=config["darl"]["initial_ttl_s"]
+        + config["round_policy"]["join_window_s"]
+        + 30.0,
     )

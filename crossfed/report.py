@@ -13,8 +13,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-LEDGER_COLUMNS = ["site", "ranks", "rtt_ms", "entries", "grants", "blocks_granted",
-                  "blocks_committed", "blocks_lost", "ttl_expiries"]
+LEDGER_COLUMNS = [
+    "site",
+    "ranks",
+    "rtt_ms",
+    "entries",
+    "grants",
+    "blocks_granted",
+    "blocks_committed",
+    "blocks_lost",
+    "ttl_expiries",
+]
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -27,9 +36,27 @@ def site_table(results: Path) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame
-    keep = ["round", "site", "status", "generation", "steps", "tokens", "loss_mean", "compute_s",
-            "overhead_s", "download_s", "upload_s", "checkpoint_s", "tokens_per_s", "step_s",
-            "blocks_leased", "blocks_committed", "transport", "rtt_ms", "detail"]
+    keep = [
+        "round",
+        "site",
+        "status",
+        "generation",
+        "steps",
+        "tokens",
+        "loss_mean",
+        "compute_s",
+        "overhead_s",
+        "download_s",
+        "upload_s",
+        "checkpoint_s",
+        "tokens_per_s",
+        "step_s",
+        "blocks_leased",
+        "blocks_committed",
+        "transport",
+        "rtt_ms",
+        "detail",
+    ]
     return frame[[c for c in keep if c in frame]].sort_values(["round", "site"])
 
 
@@ -42,34 +69,41 @@ def round_table(results: Path, sites: pd.DataFrame) -> pd.DataFrame:
         round_no = info["round_no"]
         eval_path = results / "rounds" / str(round_no) / "eval.json"
         evaluation = _read(eval_path) if eval_path.exists() else {}
-        accepted = sites[(sites["round"] == round_no) & (sites["status"] == "accepted")] \
-            if not sites.empty else sites
+        accepted = (
+            sites[(sites["round"] == round_no) & (sites["status"] == "accepted")]
+            if not sites.empty
+            else sites
+        )
         compute_s = float(accepted["compute_s"].max()) if len(accepted) else 0.0
-        comms_s = float((accepted["download_s"] + accepted["upload_s"]).mean()) if len(accepted) else 0.0
+        comms_s = (
+            float((accepted["download_s"] + accepted["upload_s"]).mean()) if len(accepted) else 0.0
+        )
         site_ckpt_s = float(accepted["checkpoint_s"].mean()) if len(accepted) else 0.0
         eval_s = float(evaluation.get("eval_s", 0.0))
         overhead_s = comms_s + site_ckpt_s + report["merge_s"] + report["checkpoint_s"] + eval_s
-        rows.append({
-            "round": round_no,
-            "generation": report["generation"],
-            "contributors": "+".join(report["contributors"]),
-            "n_contributors": len(report["contributors"]),
-            "close_reason": report["reason"],
-            "tokens": report["tokens"],
-            "train_loss": report.get("loss"),
-            "val_loss": evaluation.get("val_loss"),
-            "val_perplexity": evaluation.get("val_perplexity"),
-            "global_step": report["global_step"],
-            "round_s": (info["closed_at"] or 0) - info["opened_at"],
-            "compute_s": compute_s,
-            "overhead_s": overhead_s,
-            "comms_s": comms_s,
-            "merge_s": report["merge_s"],
-            "checkpoint_s": report["checkpoint_s"] + site_ckpt_s,
-            "eval_s": eval_s,
-            "opened_at": info["opened_at"],
-            "closed_at": info["closed_at"],
-        })
+        rows.append(
+            {
+                "round": round_no,
+                "generation": report["generation"],
+                "contributors": "+".join(report["contributors"]),
+                "n_contributors": len(report["contributors"]),
+                "close_reason": report["reason"],
+                "tokens": report["tokens"],
+                "train_loss": report.get("loss"),
+                "val_loss": evaluation.get("val_loss"),
+                "val_perplexity": evaluation.get("val_perplexity"),
+                "global_step": report["global_step"],
+                "round_s": (info["closed_at"] or 0) - info["opened_at"],
+                "compute_s": compute_s,
+                "overhead_s": overhead_s,
+                "comms_s": comms_s,
+                "merge_s": report["merge_s"],
+                "checkpoint_s": report["checkpoint_s"] + site_ckpt_s,
+                "eval_s": eval_s,
+                "opened_at": info["opened_at"],
+                "closed_at": info["closed_at"],
+            }
+        )
     frame = pd.DataFrame(rows)
     if not frame.empty:
         frame = frame.sort_values("round")
@@ -85,8 +119,10 @@ def check_ledger(ledger: pd.DataFrame) -> None:
         raise ValueError("ledger has no single 'total' row")
     for column in ("grants", "blocks_granted", "blocks_committed", "blocks_lost", "ttl_expiries"):
         if int(per_site[column].sum()) != int(total[column].iloc[0]):
-            raise ValueError(f"ledger column {column}: sites sum to {per_site[column].sum()}, "
-                             f"total says {total[column].iloc[0]}")
+            raise ValueError(
+                f"ledger column {column}: sites sum to {per_site[column].sum()}, "
+                f"total says {total[column].iloc[0]}"
+            )
 
 
 def plot_perplexity(rounds: pd.DataFrame, initial: dict[str, Any], path: Path) -> Path:
@@ -112,8 +148,12 @@ def plot_round_time(rounds: pd.DataFrame, path: Path) -> Path:
     """Per-round compute vs overhead seconds (paper Fig. 2b / Table 1)."""
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar(rounds["round"], rounds["compute_s"], label="compute (slowest site)")
-    ax.bar(rounds["round"], rounds["overhead_s"], bottom=rounds["compute_s"],
-           label="overhead (comms + merge + checkpoint + eval)")
+    ax.bar(
+        rounds["round"],
+        rounds["overhead_s"],
+        bottom=rounds["compute_s"],
+        label="overhead (comms + merge + checkpoint + eval)",
+    )
     ax.set_xlabel("outer round")
     ax.set_ylabel("seconds")
     ax.legend()
@@ -148,8 +188,10 @@ def write_report(config: dict[str, Any], site_names: list[str], results: Path) -
         "tokens": int(rounds["tokens"].sum()),
         "global_step": int(last["global_step"]),
         "sites": site_names,
-        "contributions": {s: int((sites["site"] == s).where(sites["status"] == "accepted",
-                                                             False).sum()) for s in site_names},
+        "contributions": {
+            s: int((sites["site"] == s).where(sites["status"] == "accepted", False).sum())
+            for s in site_names
+        },
         "wall_s": float(rounds["closed_at"].max() - rounds["opened_at"].min()),
         "compute_s": float(rounds["compute_s"].sum()),
         "overhead_s": float(rounds["overhead_s"].sum()),

@@ -87,7 +87,9 @@ class RoundOutcome:
 class Heartbeat:
     """Background thread: refreshes the lease, reports progress, learns of steals and expiry."""
 
-    def __init__(self, client: CoordinatorClient, site: str, lease: dict, interval_s: float) -> None:
+    def __init__(
+        self, client: CoordinatorClient, site: str, lease: dict, interval_s: float
+    ) -> None:
         self.client, self.site, self.interval_s = client, site, interval_s
         self.lease_id = lease["lease_id"]
         self.allowed_blocks = lease["n_blocks"]
@@ -108,7 +110,9 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                reply = self.client.heartbeat(self.lease_id, self.site, self.consumed, self.t_step_s)
+                reply = self.client.heartbeat(
+                    self.lease_id, self.site, self.consumed, self.t_step_s
+                )
             except Refused as exc:
                 self.lost = f"{exc.code}: {exc.detail}"
                 return
@@ -117,8 +121,12 @@ class Heartbeat:
                 continue
             shrunk = reply["lease"]["n_blocks"]
             if shrunk < self.allowed_blocks:
-                log.info("[%s] lease %d: %d blocks stolen", self.site, self.lease_id,
-                         self.allowed_blocks - shrunk)
+                log.info(
+                    "[%s] lease %d: %d blocks stolen",
+                    self.site,
+                    self.lease_id,
+                    self.allowed_blocks - shrunk,
+                )
             self.allowed_blocks = shrunk
 
 
@@ -167,37 +175,90 @@ class SiteRunner:
         if resumed is not None:
             return resumed
         if joined["round"] != round_no:
-            return RoundOutcome(self.s.site, round_no, "missed", rtt_ms=rtt,
-                                detail=f"round {round_no} closed; coordinator is at round {joined['round']}")
+            return RoundOutcome(
+                self.s.site,
+                round_no,
+                "missed",
+                rtt_ms=rtt,
+                detail=f"round {round_no} closed; coordinator is at round {joined['round']}",
+            )
         generation = joined["generation"]
         schedule = LRSchedule(**joined["schedule"])
         t0 = time.perf_counter()
         global_params = self._adopt(generation, joined)
         download_s = time.perf_counter() - t0
-        want = lease_blocks(joined["inner_steps"], self.s.inner.micro_batch, self.s.inner.ranks,
-                            self.s.inner.accumulation, self.s.block_size)
+        want = lease_blocks(
+            joined["inner_steps"],
+            self.s.inner.micro_batch,
+            self.s.inner.ranks,
+            self.s.inner.accumulation,
+            self.s.block_size,
+        )
         lease = self._lease(round_no, want, rtt)
         if lease == "missed":
-            return RoundOutcome(self.s.site, round_no, "missed", generation=generation, rtt_ms=rtt,
-                                detail=f"round {round_no} closed before this job could lease")
+            return RoundOutcome(
+                self.s.site,
+                round_no,
+                "missed",
+                generation=generation,
+                rtt_ms=rtt,
+                detail=f"round {round_no} closed before this job could lease",
+            )
         if lease is None:
-            return RoundOutcome(self.s.site, round_no, "no_data", generation=generation, rtt_ms=rtt,
-                                detail="no blocks to lease or steal before the round closed")
-        log.info("[%s r%d] lease %d: %d blocks (asked %d), generation %d, global step %d",
-                 self.s.site, round_no, lease["lease_id"], lease["n_blocks"], want, generation,
-                 joined["global_step"])
-        result, beat = self._train(lease, schedule, joined["global_step"], round_no)
-        outcome = RoundOutcome(
-            self.s.site, round_no, "accepted", generation=generation, lease_id=lease["lease_id"],
-            blocks_leased=lease["n_blocks"], steps=result.steps, tokens=result.tokens,
-            loss_mean=result.loss_mean, loss_last=result.loss_last, compute_s=result.compute_s,
-            download_s=download_s, step_s=result.step_s, rtt_ms=rtt,
-            tokens_per_s=result.tokens / result.compute_s if result.compute_s else 0.0,
+            return RoundOutcome(
+                self.s.site,
+                round_no,
+                "no_data",
+                generation=generation,
+                rtt_ms=rtt,
+                detail="no blocks to lease or steal before the round closed",
+            )
+        log.info(
+            "[%s r%d] lease %d: %d blocks (asked %d), generation %d, global step %d",
+            self.s.site,
+            round_no,
+            lease["lease_id"],
+            lease["n_blocks"],
+            want,
+            generation,
+            joined["global_step"],
         )
-        if beat.lost is not None or result.steps == 0:
-            outcome.status, outcome.detail = "lease_lost", beat.lost or "lease empty"
-            return outcome
-        consumed = self._blocks_covered(lease, result.windows)
+        # the heartbeat runs until the delta is in: a commit needs a live lease
+        with Heartbeat(self.client, self.s.site, lease, self.s.heartbeat_s) as beat:
+            result = self._train(lease, beat, schedule, joined["global_step"], round_no)
+            outcome = RoundOutcome(
+                self.s.site,
+                round_no,
+                "accepted",
+                generation=generation,
+                lease_id=lease["lease_id"],
+                blocks_leased=lease["n_blocks"],
+                steps=result.steps,
+                tokens=result.tokens,
+                loss_mean=result.loss_mean,
+                loss_last=result.loss_last,
+                compute_s=result.compute_s,
+                download_s=download_s,
+                step_s=result.step_s,
+                rtt_ms=rtt,
+                tokens_per_s=result.tokens / result.compute_s if result.compute_s else 0.0,
+            )
+            if beat.lost is not None or result.steps == 0:
+                outcome.status, outcome.detail = "lease_lost", beat.lost or "lease empty"
+                return outcome
+            pending = self._checkpoint(round_no, lease, generation, result, global_params, outcome)
+            return self._send(pending, outcome)
+
+    def _checkpoint(
+        self,
+        round_no: int,
+        lease: dict,
+        generation: int,
+        result: PhaseResult,
+        global_params: dict[str, torch.Tensor],
+        outcome: RoundOutcome,
+    ) -> dict:
+        """Write the delta, optimiser state and the pending record before any commit."""
         t1 = time.perf_counter()
         assert self.model is not None
         delta = delta_of(parameters_of(self.model), global_params)
@@ -205,13 +266,19 @@ class SiteRunner:
         save_atomic(delta, delta_path, {"site": self.s.site, "round": str(round_no)})
         self._save_state()
         pending = {
-            "round": round_no, "lease_id": lease["lease_id"], "generation": generation,
-            "tokens": result.tokens, "steps": result.steps, "consumed": consumed,
-            "loss": result.loss_mean, "compute_s": result.compute_s, "delta": str(delta_path),
+            "round": round_no,
+            "lease_id": lease["lease_id"],
+            "generation": generation,
+            "tokens": result.tokens,
+            "steps": result.steps,
+            "consumed": self._blocks_covered(lease, result.windows),
+            "loss": result.loss_mean,
+            "compute_s": result.compute_s,
+            "delta": str(delta_path),
         }
-        self._write_pending(pending)  # checkpoint before commit
+        self._write_pending(pending)
         outcome.checkpoint_s = time.perf_counter() - t1
-        return self._send(pending, outcome)
+        return pending
 
     def _adopt(self, generation: int, joined: dict) -> dict[str, torch.Tensor]:
         """Load the current global model (a joiner adopts it like everyone else)."""
@@ -219,8 +286,9 @@ class SiteRunner:
         self.client.download_model(generation, path)
         tensors = load_file(str(path))
         if self.model is None:
-            self.model = build_model(joined["flavour"], vocab_size=joined["vocab_size"],
-                                     device=self.s.device)
+            self.model = build_model(
+                joined["flavour"], vocab_size=joined["vocab_size"], device=self.s.device
+            )
             self.optimizer = make_optimizer(self.model, self.s.inner, lr=0.0)
             self._load_state()
         load_parameters(self.model, tensors)
@@ -246,8 +314,11 @@ class SiteRunner:
                 if exc.code != "already_holding":
                     raise
                 reply = {"lease": None}
-                log.info("[%s r%d] a previous job still holds a lease; waiting for its TTL",
-                         self.s.site, round_no)
+                log.info(
+                    "[%s r%d] a previous job still holds a lease; waiting for its TTL",
+                    self.s.site,
+                    round_no,
+                )
             if reply["lease"] is not None:
                 return reply["lease"]
             if time.monotonic() > deadline:
@@ -269,41 +340,59 @@ class SiteRunner:
             covered += 1
         return covered
 
-    def _train(self, lease: dict, schedule: LRSchedule, global_step: int,
-               round_no: int) -> tuple[PhaseResult, Heartbeat]:
+    def _train(
+        self, lease: dict, beat: Heartbeat, schedule: LRSchedule, global_step: int, round_no: int
+    ) -> PhaseResult:
         assert self.model is not None and self.optimizer is not None
         ranges = self._ranges(lease["blocks"])
         sizes = [stop - start for start, stop in ranges]
-        total_windows = sum(sizes)
+        started = time.perf_counter()
 
-        with Heartbeat(self.client, self.s.site, lease, self.s.heartbeat_s) as beat:
+        def limit() -> int:
+            if beat.lost is not None:
+                return 0
+            return sum(sizes[: beat.allowed_blocks])
 
-            def limit() -> int:
-                if beat.lost is not None:
-                    return 0
-                return sum(sizes[: beat.allowed_blocks])
+        def on_step(info: StepInfo) -> None:
+            beat.consumed = self._blocks_covered(lease, info.windows_done)
+            beat.t_step_s = info.step_s
+            if info.step % self.s.log_every == 0 or info.windows_done >= limit():
+                log.info(
+                    "[%s r%d] step %d (global %d) loss %.4f lr %.2e %.0f tok/s lease %d/%d blocks",
+                    self.s.site,
+                    round_no,
+                    info.step,
+                    info.global_step,
+                    info.loss,
+                    info.lr,
+                    info.tokens / max(1e-9, time.perf_counter() - started),
+                    beat.consumed,
+                    beat.allowed_blocks,
+                )
 
-            def on_step(info: StepInfo) -> None:
-                beat.consumed = self._blocks_covered(lease, info.windows_done)
-                beat.t_step_s = info.step_s
-                if info.step % self.s.log_every == 0 or info.windows_done >= limit():
-                    log.info(
-                        "[%s r%d] step %d (global %d) loss %.4f lr %.2e %.0f tok/s lease %d/%d blocks",
-                        self.s.site, round_no, info.step, info.global_step, info.loss, info.lr,
-                        info.tokens / max(1e-9, time.perf_counter() - started),
-                        beat.consumed, beat.allowed_blocks,
-                    )
-
-            started = time.perf_counter()
-            result = run_inner_phase(
-                self.model, self.optimizer, self.store.windows, ranges,
-                config=self.s.inner, schedule=schedule, global_step=global_step,
-                window_limit=limit, on_step=on_step, device=self.s.device,
-            )
-        log.info("[%s r%d] trained %d steps on %d/%d windows, %d tokens in %.1fs",
-                 self.s.site, round_no, result.steps, result.windows, total_windows,
-                 result.tokens, result.compute_s)
-        return result, beat
+        result = run_inner_phase(
+            self.model,
+            self.optimizer,
+            self.store.windows,
+            ranges,
+            config=self.s.inner,
+            schedule=schedule,
+            global_step=global_step,
+            window_limit=limit,
+            on_step=on_step,
+            device=self.s.device,
+        )
+        log.info(
+            "[%s r%d] trained %d steps on %d/%d windows, %d tokens in %.1fs",
+            self.s.site,
+            round_no,
+            result.steps,
+            result.windows,
+            sum(sizes),
+            result.tokens,
+            result.compute_s,
+        )
+        return result
 
     def _send(self, pending: dict[str, Any], outcome: RoundOutcome) -> RoundOutcome:
         """Send the checkpointed delta; the reply commits its blocks (or rejects it as stale)."""
@@ -312,10 +401,17 @@ class SiteRunner:
         t0 = time.perf_counter()
         try:
             reply = self.client.submit_delta(
-                pending["round"], path, inline=inline, site=self.s.site,
-                lease_id=pending["lease_id"], generation=pending["generation"],
-                tokens=pending["tokens"], steps=pending["steps"], consumed=pending["consumed"],
-                loss=pending["loss"], compute_s=pending["compute_s"],
+                pending["round"],
+                path,
+                inline=inline,
+                site=self.s.site,
+                lease_id=pending["lease_id"],
+                generation=pending["generation"],
+                tokens=pending["tokens"],
+                steps=pending["steps"],
+                consumed=pending["consumed"],
+                loss=pending["loss"],
+                compute_s=pending["compute_s"],
             )
         except Refused as exc:
             if exc.status >= 500 or exc.status in (401, 403):
@@ -324,6 +420,7 @@ class SiteRunner:
             outcome.detail = f"{exc.code}: {exc.detail}"
             reply = None
         outcome.upload_s = time.perf_counter() - t0
+        size_mb = path.stat().st_size / 1e6
         outcome.transport = "inline" if inline else "blob"
         outcome.overhead_s = outcome.download_s + outcome.upload_s + outcome.checkpoint_s
         if reply is not None:
@@ -331,8 +428,15 @@ class SiteRunner:
             outcome.extra["already"] = reply.get("already", False)
         self.pending_path.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
-        log.info("[%s r%d] delta %s (%s, %.1f MB): %s", self.s.site, pending["round"],
-                 outcome.status, outcome.transport, 0.0, outcome.detail or "blocks committed")
+        log.info(
+            "[%s r%d] delta %s (%s, %.1f MB): %s",
+            self.s.site,
+            pending["round"],
+            outcome.status,
+            outcome.transport,
+            size_mb,
+            outcome.detail or "blocks committed",
+        )
         return outcome
 
     def _resume_pending(self, round_no: int) -> RoundOutcome | None:
@@ -343,12 +447,23 @@ class SiteRunner:
         if not Path(pending["delta"]).exists():
             self.pending_path.unlink()
             return None
-        log.info("[%s] resending checkpointed delta of round %d (lease %d)", self.s.site,
-                 pending["round"], pending["lease_id"])
-        outcome = RoundOutcome(self.s.site, pending["round"], "accepted",
-                               generation=pending["generation"], lease_id=pending["lease_id"],
-                               steps=pending["steps"], tokens=pending["tokens"],
-                               loss_mean=pending["loss"], compute_s=pending["compute_s"])
+        log.info(
+            "[%s] resending checkpointed delta of round %d (lease %d)",
+            self.s.site,
+            pending["round"],
+            pending["lease_id"],
+        )
+        outcome = RoundOutcome(
+            self.s.site,
+            pending["round"],
+            "accepted",
+            generation=pending["generation"],
+            lease_id=pending["lease_id"],
+            steps=pending["steps"],
+            tokens=pending["tokens"],
+            loss_mean=pending["loss"],
+            compute_s=pending["compute_s"],
+        )
         outcome = self._send(pending, outcome)
         outcome.extra["resumed"] = True
         if pending["round"] != round_no:

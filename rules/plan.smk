@@ -1,4 +1,13 @@
 # Stage 2 of a round: choose which sites train, with which shape and accumulation.
+# Work is counted in outer rounds (one data unit = the tokens of one round); rounds already
+# done are not replanned.
+
+
+def tokens_per_round():
+    """H * seq_len * sum over sites of B*W*A: the tokens one outer round consumes."""
+    sites = load_sites(config)
+    windows = sum(s["micro_batch"] * s["ranks"] * s["accumulation"] for s in sites.values())
+    return config["inner"]["steps"] * config["data"]["seq_len"] * windows
 
 
 rule plan:
@@ -8,6 +17,10 @@ rule plan:
         plan=f"{RESULTS}/rounds/{{round}}/plan.json",
     log:
         f"{LOGS}/plan/{{round}}.log",
+    params:
+        done=lambda wildcards: int(wildcards.round) - 1,
+        tokens_per_unit=tokens_per_round(),
     shell:
         "{CROSSFED} --log {log} plan --sites {config[sites_file]} --probes {input.probe}"
-        " --round {wildcards.round} --out {output.plan}"
+        " --target-units {config[rounds]} --units-per-round 1 --round {params.done}"
+        " --tokens-per-unit {params.tokens_per_unit} --out {output.plan}"

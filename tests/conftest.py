@@ -78,8 +78,19 @@ class LiveCoordinator:
 
 
 def start_process(state_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir", str(state_dir),
-           "--secrets", str(state_dir / "secrets.yaml"), "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "crossfed",
+        "coordinator",
+        "serve",
+        "--state-dir",
+        str(state_dir),
+        "--secrets",
+        str(state_dir / "secrets.yaml"),
+        "--port",
+        str(port),
+    ]
     log = open(state_dir / "coordinator.log", "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     deadline = time.monotonic() + 240
@@ -102,8 +113,9 @@ def coordinator(tmp_path: Path) -> Iterator[LiveCoordinator]:
     state_dir.mkdir()
     secrets = ensure_secrets(state_dir / "secrets.yaml", SITES)
     port = free_port("127.0.0.1")
-    live = LiveCoordinator(f"http://127.0.0.1:{port}", state_dir, secrets,
-                           start_process(state_dir, port), port)
+    live = LiveCoordinator(
+        f"http://127.0.0.1:{port}", state_dir, secrets, start_process(state_dir, port), port
+    )
     yield live
     if live.process.poll() is None:
         live.process.terminate()

@@ -21,18 +21,31 @@ def global_model(live: LiveCoordinator, generation: int, tmp: Path) -> dict[str,
     return load_file(str(path))
 
 
-def delta_file(tmp: Path, reference: dict[str, torch.Tensor], scale: float = 0.01,
-               seed: int = 0, name: str = "delta") -> Path:
+def delta_file(
+    tmp: Path,
+    reference: dict[str, torch.Tensor],
+    scale: float = 0.01,
+    seed: int = 0,
+    name: str = "delta",
+) -> Path:
     gen = torch.Generator().manual_seed(seed)
-    delta = {k: (torch.randn(v.shape, generator=gen) * scale).to(torch.bfloat16)
-             for k, v in reference.items()}
+    delta = {
+        k: (torch.randn(v.shape, generator=gen) * scale).to(torch.bfloat16)
+        for k, v in reference.items()
+    }
     path = tmp / f"{name}.safetensors"
     save_file(delta, str(path))
     return path
 
 
-def join_and_lease(live: LiveCoordinator, site: str, data: Path, round_no: int = 1,
-                   n_blocks: int = 2, t_step_s: float | None = None) -> dict:
+def join_and_lease(
+    live: LiveCoordinator,
+    site: str,
+    data: Path,
+    round_no: int = 1,
+    n_blocks: int = 2,
+    t_step_s: float | None = None,
+) -> dict:
     """Register and lease; without a step time the lease gets the long initial TTL."""
     client = live.client(site)
     client.register(site, digest_of(data), 1, 1.0)
@@ -41,11 +54,28 @@ def join_and_lease(live: LiveCoordinator, site: str, data: Path, round_no: int =
     return reply["lease"]
 
 
-def submit(live: LiveCoordinator, site: str, lease: dict, path: Path, *, generation: int = 0,
-           round_no: int = 1, inline: bool = False, tokens: int = 1000) -> dict:
+def submit(
+    live: LiveCoordinator,
+    site: str,
+    lease: dict,
+    path: Path,
+    *,
+    generation: int = 0,
+    round_no: int = 1,
+    inline: bool = False,
+    tokens: int = 1000,
+) -> dict:
     return live.client(site).submit_delta(
-        round_no, path, inline=inline, site=site, lease_id=lease["lease_id"],
-        generation=generation, tokens=tokens, steps=4, consumed=lease["n_blocks"], loss=3.0,
+        round_no,
+        path,
+        inline=inline,
+        site=site,
+        lease_id=lease["lease_id"],
+        generation=generation,
+        tokens=tokens,
+        steps=4,
+        consumed=lease["n_blocks"],
+        loss=3.0,
     )
 
 
@@ -72,8 +102,9 @@ def test_health_needs_no_token_but_everything_else_does(run: LiveCoordinator) ->
     assert response.status_code == 401 and response.json()["error"] == "unauthenticated"
 
 
-def test_round_with_two_sites_merges_token_weighted(run: LiveCoordinator, tiny_data: Path,
-                                                    tmp_path: Path) -> None:
+def test_round_with_two_sites_merges_token_weighted(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
     g0 = global_model(run, 0, tmp_path)
     a, b = join_and_lease(run, "snellius", tiny_data), join_and_lease(run, "lumi", tiny_data)
     da, db = delta_file(tmp_path, g0, seed=1, name="a"), delta_file(tmp_path, g0, seed=2, name="b")
@@ -94,9 +125,9 @@ def test_round_with_two_sites_merges_token_weighted(run: LiveCoordinator, tiny_d
     assert len(committed_rows(run)) == a["n_blocks"] + b["n_blocks"]
 
 
-def test_straggler_lease_expires_and_round_closes_without_it(run: LiveCoordinator,
-                                                              tiny_data: Path,
-                                                              tmp_path: Path) -> None:
+def test_straggler_lease_expires_and_round_closes_without_it(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
     g0 = global_model(run, 0, tmp_path)
     fast = join_and_lease(run, "snellius", tiny_data)
     # never heartbeats again: a crash; a short step time gives it the minimum TTL
@@ -114,8 +145,9 @@ def test_straggler_lease_expires_and_round_closes_without_it(run: LiveCoordinato
     assert again["round"] == 2
 
 
-def test_stale_generation_is_rejected_and_blocks_return(run: LiveCoordinator, tiny_data: Path,
-                                                         tmp_path: Path) -> None:
+def test_stale_generation_is_rejected_and_blocks_return(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
     g0 = global_model(run, 0, tmp_path)
     lease = join_and_lease(run, "lumi", tiny_data)
     with pytest.raises(Refused) as refused:
@@ -139,8 +171,13 @@ def test_bad_deltas_get_4xx_naming_the_problem_and_change_nothing(
     lease = join_and_lease(run, "snellius", tiny_data)
     delta = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in g0.items()}
     path = tmp_path / "bad.safetensors"
-    expected = {"shape": "norm.weight", "nan": "norm.weight", "dtype": "norm.weight",
-                "missing": "norm.weight", "not_safetensors": "safetensors"}[case]
+    expected = {
+        "shape": "norm.weight",
+        "nan": "norm.weight",
+        "dtype": "norm.weight",
+        "missing": "norm.weight",
+        "not_safetensors": "safetensors",
+    }[case]
     if case == "shape":
         delta["norm.weight"] = torch.zeros(3, dtype=torch.bfloat16)
     elif case == "nan":
@@ -163,8 +200,9 @@ def test_bad_deltas_get_4xx_naming_the_problem_and_change_nothing(
     assert torch.equal(global_model(run, 0, tmp_path / "again")["norm.weight"], g0["norm.weight"])
 
 
-def test_wrong_digest_unknown_site_and_foreign_token_are_refused(run: LiveCoordinator,
-                                                                  tiny_data: Path) -> None:
+def test_wrong_digest_unknown_site_and_foreign_token_are_refused(
+    run: LiveCoordinator, tiny_data: Path
+) -> None:
     with pytest.raises(Refused) as refused:
         run.client("lumi").register("lumi", digest_of(tiny_data, seed=8), 1, None)
     assert refused.value.status == 409 and refused.value.code == "digest_mismatch"
@@ -182,11 +220,13 @@ def test_malformed_bodies_are_422(run: LiveCoordinator) -> None:
     headers = {"Authorization": f"Bearer {run.secrets['sites']['lumi']}"}
     response = httpx.post(f"{run.url}/v1/leases", headers=headers, content=b"{not json")
     assert response.status_code == 422
-    response = httpx.post(f"{run.url}/v1/leases", headers=headers,
-                          json={"site": "lumi", "round": 1, "n_blocks": -3})
+    response = httpx.post(
+        f"{run.url}/v1/leases", headers=headers, json={"site": "lumi", "round": 1, "n_blocks": -3}
+    )
     assert response.status_code == 422 and "n_blocks" in response.text
-    response = httpx.put(f"{run.url}/v1/blobs/..%2F..%2Fetc%2Fpasswd", headers=headers,
-                         content=b"x")
+    response = httpx.put(
+        f"{run.url}/v1/blobs/..%2F..%2Fetc%2Fpasswd", headers=headers, content=b"x"
+    )
     assert response.status_code in (400, 404)
 
 
@@ -198,8 +238,9 @@ def test_corrupted_blob_upload_is_rejected(run: LiveCoordinator) -> None:
     assert not any((run.state_dir / "blobs").rglob(key))
 
 
-def test_sigkilled_coordinator_comes_back_with_its_state(run: LiveCoordinator, tiny_data: Path,
-                                                         tmp_path: Path) -> None:
+def test_sigkilled_coordinator_comes_back_with_its_state(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
     g0 = global_model(run, 0, tmp_path)
     a = join_and_lease(run, "snellius", tiny_data)
     b = join_and_lease(run, "lumi", tiny_data)

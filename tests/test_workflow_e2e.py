@@ -48,11 +48,20 @@ def workdir(tmp_path: Path, rounds: int = 3) -> Path:
 
 def snakemake(cwd: Path, *extra: str, name: str = "snakemake") -> subprocess.Popen:
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
-    cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile",
-           str(REPO / "profiles" / "local"), "--cores", "4", *extra]
+    cmd = [
+        str(BIN / "snakemake"),
+        "-s",
+        str(REPO / "Snakefile"),
+        "--profile",
+        str(REPO / "profiles" / "local"),
+        "--cores",
+        "4",
+        *extra,
+    ]
     log = open(cwd / f"{name}.out", "wb")
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     proc.log_path = cwd / f"{name}.out"  # type: ignore[attr-defined]
     return proc
 
@@ -74,8 +83,11 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 def site_pids(site: str, round_no: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-f", f"site run .*--site {site} --round {round_no} "],
-                           capture_output=True, text=True)
+    found = subprocess.run(
+        ["pgrep", "-f", f"site run .*--site {site} --round {round_no} "],
+        capture_output=True,
+        text=True,
+    )
     return [int(p) for p in found.stdout.split()]
 
 
@@ -85,9 +97,17 @@ def log_has_steps(path: Path) -> bool:
 
 def check_ledger(cwd: Path) -> pd.DataFrame:
     ledger = pd.read_csv(cwd / "results" / "ledger.csv")
-    assert list(ledger.columns) == ["site", "ranks", "rtt_ms", "entries", "grants",
-                                    "blocks_granted", "blocks_committed", "blocks_lost",
-                                    "ttl_expiries"]
+    assert list(ledger.columns) == [
+        "site",
+        "ranks",
+        "rtt_ms",
+        "entries",
+        "grants",
+        "blocks_granted",
+        "blocks_committed",
+        "blocks_lost",
+        "ttl_expiries",
+    ]
     assert ledger["site"].iloc[-1] == "total"
     per_site, total = ledger.iloc[:-1], ledger.iloc[-1]
     for column in ("grants", "blocks_granted", "blocks_committed", "blocks_lost"):

@@ -4,7 +4,6 @@ Every request is short: waiting is done by clients polling with backoff, so site
 HTTP forward proxy that reaps long connections work the same as direct ones.
 """
 
-
 import asyncio
 import hmac
 import logging
@@ -113,11 +112,15 @@ def create_app(
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:
-        return JSONResponse(status_code=exc.status, content={"error": exc.code, "detail": exc.message})
+        return JSONResponse(
+            status_code=exc.status, content={"error": exc.code, "detail": exc.message}
+        )
 
     @app.exception_handler(BlobError)
     async def _blob_error(_: Request, exc: BlobError) -> JSONResponse:
-        return JSONResponse(status_code=exc.status, content={"error": "bad_blob", "detail": str(exc)})
+        return JSONResponse(
+            status_code=exc.status, content={"error": "bad_blob", "detail": str(exc)}
+        )
 
     @app.exception_handler(RunSpecError)
     async def _spec_error(_: Request, exc: RunSpecError) -> JSONResponse:
@@ -125,7 +128,9 @@ def create_app(
 
     def caller(authorization: Annotated[str | None, Header()] = None) -> str:
         if not authorization or not authorization.startswith("Bearer "):
-            raise CoordinatorError(401, "unauthenticated", "missing 'Authorization: Bearer <token>'")
+            raise CoordinatorError(
+                401, "unauthenticated", "missing 'Authorization: Bearer <token>'"
+            )
         who = tokens.identify(authorization[len("Bearer ") :])
         if who is None:
             raise CoordinatorError(401, "unauthenticated", "unknown token")
@@ -198,11 +203,15 @@ def create_app(
 
     @app.put("/v1/blobs/{key}", status_code=201)
     async def put_blob(
-        key: str, request: Request, who: Caller,
+        key: str,
+        request: Request,
+        who: Caller,
         content_length: Annotated[int | None, Header()] = None,
     ) -> dict[str, Any]:
         if content_length is not None and content_length > max_blob_bytes:
-            raise BlobError(f"blob of {content_length} bytes exceeds the {max_blob_bytes}-byte limit", 413)
+            raise BlobError(
+                f"blob of {content_length} bytes exceeds the {max_blob_bytes}-byte limit", 413
+            )
         size = await coordinator.blobs.write_stream(key, request.stream(), max_blob_bytes)
         return {"key": key, "bytes": size}
 
@@ -213,19 +222,36 @@ def create_app(
 
     @app.post("/v1/rounds/{round_no}/deltas/inline")
     async def submit_inline(
-        round_no: int, request: Request, who: Caller,
-        site: str, lease_id: int, generation: int, tokens: int, steps: int, consumed: int,
-        loss: float | None = None, compute_s: float | None = None,
+        round_no: int,
+        request: Request,
+        who: Caller,
+        site: str,
+        lease_id: int,
+        generation: int,
+        tokens: int,
+        steps: int,
+        consumed: int,
+        loss: float | None = None,
+        compute_s: float | None = None,
         x_content_sha256: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         """The delta's bytes inside the round message itself (the paper's inline transport)."""
         as_site(who, site)
         if not x_content_sha256:
-            raise CoordinatorError(422, "missing_digest", "inline deltas need an X-Content-SHA256 header")
+            raise CoordinatorError(
+                422, "missing_digest", "inline deltas need an X-Content-SHA256 header"
+            )
         await coordinator.blobs.write_stream(x_content_sha256, request.stream(), max_blob_bytes)
         body = DeltaBody(
-            site=site, lease_id=lease_id, generation=generation, tokens=tokens, steps=steps,
-            consumed=consumed, blob=x_content_sha256, loss=loss, compute_s=compute_s,
+            site=site,
+            lease_id=lease_id,
+            generation=generation,
+            tokens=tokens,
+            steps=steps,
+            consumed=consumed,
+            blob=x_content_sha256,
+            loss=loss,
+            compute_s=compute_s,
         )
         return await run(coordinator.submit, round_no=round_no, **body.model_dump())
 

@@ -108,16 +108,25 @@ class CoordinatorClient:
             f"/v1/sites/{site}/register", {"digest": digest, "ranks": ranks, "rtt_ms": rtt_ms}
         )
 
-    def lease(self, site: str, round_no: int, n_blocks: int, t_step_s: float | None,
-              rtt_ms: float | None) -> dict[str, Any]:
-        body = {"site": site, "round": round_no, "n_blocks": n_blocks,
-                "t_step_s": t_step_s, "rtt_ms": rtt_ms}
+    def lease(
+        self, site: str, round_no: int, n_blocks: int, t_step_s: float | None, rtt_ms: float | None
+    ) -> dict[str, Any]:
+        body = {
+            "site": site,
+            "round": round_no,
+            "n_blocks": n_blocks,
+            "t_step_s": t_step_s,
+            "rtt_ms": rtt_ms,
+        }
         return self.post("/v1/leases", body)
 
-    def heartbeat(self, lease_id: int, site: str, consumed: int,
-                  t_step_s: float | None) -> dict[str, Any]:
-        return self.post(f"/v1/leases/{lease_id}/heartbeat",
-                         {"site": site, "consumed": consumed, "t_step_s": t_step_s})
+    def heartbeat(
+        self, lease_id: int, site: str, consumed: int, t_step_s: float | None
+    ) -> dict[str, Any]:
+        return self.post(
+            f"/v1/leases/{lease_id}/heartbeat",
+            {"site": site, "consumed": consumed, "t_step_s": t_step_s},
+        )
 
     def release(self, lease_id: int, site: str) -> dict[str, Any]:
         return self.post(f"/v1/leases/{lease_id}/release", {"site": site})
@@ -163,16 +172,23 @@ class CoordinatorClient:
     def upload_blob(self, path: Path) -> str:
         """PUT a file into the blob store (streamed); idempotent, retried on failure."""
         key = sha256_file(path)
-        self._request("PUT", f"/v1/blobs/{key}", content_factory=lambda: _file_chunks(path),
-                      headers={"Content-Length": str(path.stat().st_size)})
+        self._request(
+            "PUT",
+            f"/v1/blobs/{key}",
+            content_factory=lambda: _file_chunks(path),
+            headers={"Content-Length": str(path.stat().st_size)},
+        )
         return key
 
-    def submit_delta(self, round_no: int, path: Path, *, inline: bool, **fields: Any) -> dict[str, Any]:
+    def submit_delta(
+        self, round_no: int, path: Path, *, inline: bool, **fields: Any
+    ) -> dict[str, Any]:
         """Send a delta file either inside the round message (inline) or as a blob reference."""
         if inline:
             key = sha256_file(path)
             return self._request(
-                "POST", f"/v1/rounds/{round_no}/deltas/inline",
+                "POST",
+                f"/v1/rounds/{round_no}/deltas/inline",
                 params={k: v for k, v in fields.items() if v is not None},
                 content_factory=lambda: _file_chunks(path),
                 headers={"X-Content-SHA256": key, "Content-Length": str(path.stat().st_size)},
@@ -194,7 +210,8 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
 def _refusal(response: httpx.Response) -> Refused:
     try:
         body = response.json()
-        return Refused(response.status_code, str(body.get("error", "error")),
-                       str(body.get("detail", body)))
+        return Refused(
+            response.status_code, str(body.get("error", "error")), str(body.get("detail", body))
+        )
     except ValueError:
         return Refused(response.status_code, "error", response.text[:500])

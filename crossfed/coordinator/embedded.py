@@ -104,11 +104,29 @@ def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 
     host = config["coordinator"]["host"]
     port = config["coordinator"]["port"] or free_port(host)
     log_path = state_dir / "coordinator.log"
-    cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir", str(state_dir),
-           "--secrets", str(secrets_path), "--host", host, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "crossfed",
+        "coordinator",
+        "serve",
+        "--state-dir",
+        str(state_dir),
+        "--secrets",
+        str(secrets_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -122,7 +140,9 @@ def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 
         time.sleep(0.2)
     else:
         proc.kill()
-        raise EndpointError(f"coordinator did not answer on {url} within {timeout_s}s; see {log_path}")
+        raise EndpointError(
+            f"coordinator did not answer on {url} within {timeout_s}s; see {log_path}"
+        )
     (state_dir / ENDPOINT).write_text(json.dumps({"url": url, "pid": proc.pid}))
     return url
 

@@ -12,7 +12,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from crossfed.coordinator.rounds import close_decision
 from crossfed.coordinator.runspec import RunSpec
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
-from crossfed.darl.ledger import LedgerStore, apply_event
+from crossfed.darl.ledger import LedgerError, LedgerStore, apply_event
 from crossfed.outer import DeltaError, outer_step, validate_delta
 from crossfed.transport import save_atomic, sha256_file, to_bf16
 
@@ -123,7 +124,9 @@ class Coordinator:
     def global_path(self, generation: int) -> Path:
         path = self.models_dir / f"global-{generation:06d}.safetensors"
         if not path.exists():
-            raise CoordinatorError(404, "unknown_generation", f"no global model for generation {generation}")
+            raise CoordinatorError(
+                404, "unknown_generation", f"no global model for generation {generation}"
+            )
         return path
 
     def _write_generation(self, generation: int) -> None:
@@ -136,7 +139,10 @@ class Coordinator:
         save_atomic(to_bf16(self.master), path, meta)
         store.set_meta(self.conn, f"global_sha256:{generation}", sha256_file(path))
         for old in range(0, generation - self.keep_generations + 1):
-            for stale in (self._master_path(old), self.models_dir / f"global-{old:06d}.safetensors"):
+            for stale in (
+                self._master_path(old),
+                self.models_dir / f"global-{old:06d}.safetensors",
+            ):
                 stale.unlink(missing_ok=True)
 
     def global_sha256(self, generation: int) -> str:
@@ -217,7 +223,7 @@ class Coordinator:
             if ranks < 1:
                 raise CoordinatorError(422, "bad_ranks", f"ranks must be >= 1, got {ranks}")
             now = self.clock()
-            with store.Transaction(self.conn):
+            with self._mutation():
                 self._event("register", {"site": site, "now": now})
                 self.conn.execute(
                     "INSERT INTO sites (site, ranks, rtt_ms, last_seen) VALUES (?, ?, ?, ?) "
@@ -234,6 +240,21 @@ class Coordinator:
                 "vocab_size": spec.vocab_size,
                 **self.status(),
             }
+
+    @contextmanager
+    def _mutation(self) -> Iterator[None]:
+        """One SQLite transaction for DARL events and our rows; on failure the in-memory lease
+        book is rebuilt from the ledger so it never runs ahead of what is on disk."""
+        try:
+            with store.Transaction(self.conn):
+                yield
+        except LeaseError:
+            raise  # a refused command leaves the book untouched
+        except BaseException:
+            assert self.space is not None
+            self.book = LeaseBook(self.space.n_blocks)
+            self.ledger.replay(self.book)
+            raise
 
     def _event(self, op: str, args: dict[str, Any]) -> Any:
         """Apply one DARL command to the lease book and record it (inside a transaction)."""
@@ -286,12 +307,14 @@ class Coordinator:
             ).fetchone()
             if submitted:
                 raise CoordinatorError(
-                    409, "already_contributed", f"site {site} already contributed to round {round_no}"
+                    409,
+                    "already_contributed",
+                    f"site {site} already contributed to round {round_no}",
                 )
             now = self.clock()
             ttl = self._ttl(t_step_s, rtt_ms)
             try:
-                with store.Transaction(self.conn):
+                with self._mutation():
                     args = {"site": site, "n_blocks": n_blocks, "now": now, "ttl_s": ttl}
                     lease = self._event("grant", {**args, "round_no": round_no})
                     if lease is None:
@@ -319,13 +342,20 @@ class Coordinator:
             row = self.conn.execute("SELECT rtt_ms FROM sites WHERE site = ?", (site,)).fetchone()
             ttl = self._ttl(t_step_s, row["rtt_ms"] if row else None)
             try:
-                with store.Transaction(self.conn):
+                with self._mutation():
                     lease = self._event(
                         "heartbeat",
-                        {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now, "ttl_s": ttl},
+                        {
+                            "lease_id": lease_id,
+                            "site": site,
+                            "consumed": consumed,
+                            "now": now,
+                            "ttl_s": ttl,
+                        },
                     )
                     self.conn.execute(
-                        "UPDATE sites SET t_step_s = COALESCE(?, t_step_s), last_seen = ? WHERE site = ?",
+                        "UPDATE sites SET t_step_s = COALESCE(?, t_step_s), last_seen = ? "
+                        "WHERE site = ?",
                         (t_step_s, now, site),
                     )
             except LeaseError as exc:
@@ -336,7 +366,7 @@ class Coordinator:
         with self.lock:
             self._check_site(site)
             try:
-                with store.Transaction(self.conn):
+                with self._mutation():
                     returned = self._event(
                         "release", {"lease_id": lease_id, "site": site, "now": self.clock()}
                     )
@@ -377,7 +407,9 @@ class Coordinator:
             except LeaseError as exc:
                 raise CoordinatorError(404, exc.code, str(exc)) from exc
             if lease.site != site:
-                raise CoordinatorError(403, "not_owner", f"lease {lease_id} belongs to another site")
+                raise CoordinatorError(
+                    403, "not_owner", f"lease {lease_id} belongs to another site"
+                )
             current = self.current_round()
             if generation != current["generation"] or round_no != current["round_no"]:
                 self._release_quietly(lease_id, site)
@@ -394,16 +426,18 @@ class Coordinator:
                 raise CoordinatorError(
                     422,
                     "bad_progress",
-                    f"consumed={consumed} outside 1..{lease.end - lease.start} for lease {lease_id}",
+                    f"consumed={consumed} outside 1..{lease.end - lease.start} "
+                    f"for lease {lease_id}",
                 )
             if not self.blobs.exists(blob):
                 raise CoordinatorError(404, "unknown_blob", f"no blob {blob}; upload it first")
             self._validate_delta_blob(blob)
             now = self.clock()
             try:
-                with store.Transaction(self.conn):
+                with self._mutation():
                     result = self._event(
-                        "commit", {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now}
+                        "commit",
+                        {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now},
                     )
                     assert self.space is not None
                     blocks = self.space.permutation(lease.epoch)[
@@ -414,19 +448,37 @@ class Coordinator:
                         "INSERT INTO deltas (lease_id, round_no, site, generation, tokens, steps, "
                         "consumed, blob, loss, compute_s, accepted_at) "
                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (lease_id, round_no, site, generation, tokens, steps, consumed, blob, loss,
-                         compute_s, now),
+                        (
+                            lease_id,
+                            round_no,
+                            site,
+                            generation,
+                            tokens,
+                            steps,
+                            consumed,
+                            blob,
+                            loss,
+                            compute_s,
+                            now,
+                        ),
                     )
                     if self.book.epoch_complete():
                         self._event("next_epoch", {"now": now})
             except LeaseError as exc:
                 raise CoordinatorError(409, exc.code, str(exc)) from exc
-            return {"accepted": True, "already": False, "round": round_no,
-                    "committed": result.committed, "returned": result.returned}
+            except LedgerError as exc:
+                raise CoordinatorError(409, "duplicate_commit", str(exc)) from exc
+            return {
+                "accepted": True,
+                "already": False,
+                "round": round_no,
+                "committed": result.committed,
+                "returned": result.returned,
+            }
 
     def _release_quietly(self, lease_id: int, site: str) -> None:
         try:
-            with store.Transaction(self.conn):
+            with self._mutation():
                 self._event("release", {"lease_id": lease_id, "site": site, "now": self.clock()})
         except LeaseError:
             pass
@@ -446,28 +498,35 @@ class Coordinator:
 
     # ------------------------------------------------------------------ the clock
     def tick(self) -> dict[str, Any] | None:
-        """Expire leases and close the current round if the policy says so; returns a merge report."""
+        """Expire leases and close the round if the policy says so; returns a merge report."""
         with self.lock:
             if self.spec is None:
                 return None
             assert self.book is not None
             now = self.clock()
             if any(lease.expires_at <= now for lease in self.book.active_leases()):
-                with store.Transaction(self.conn):
+                with self._mutation():
                     expired = self._event("expire", {"now": now})
                 for lease in expired:
                     log.warning(
                         "lease %d of %s expired: %d blocks back to the pool",
-                        lease.lease_id, lease.site, lease.end - lease.start,
+                        lease.lease_id,
+                        lease.site,
+                        lease.end - lease.start,
                     )
             current = self.current_round()
             deltas = store.round_deltas(self.conn, current["round_no"])
             active = [
-                lease for lease in self.book.active_leases() if lease.round_no == current["round_no"]
+                lease
+                for lease in self.book.active_leases()
+                if lease.round_no == current["round_no"]
             ]
             reason = close_decision(
-                opened_at=current["opened_at"], now=now, deltas=len(deltas),
-                active_leases=len(active), policy=self.spec.rounds,
+                opened_at=current["opened_at"],
+                now=now,
+                deltas=len(deltas),
+                active_leases=len(active),
+                policy=self.spec.rounds,
             )
             if reason is None:
                 return None
@@ -479,8 +538,11 @@ class Coordinator:
         started = time.perf_counter()
         handles = [safe_open(str(self.blobs.path(d["blob"])), framework="pt") for d in deltas]
         report = outer_step(
-            self.master, self.momentum, [_LazyTensors(h) for h in handles],
-            [d["tokens"] for d in deltas], self.spec.outer,
+            self.master,
+            self.momentum,
+            [_LazyTensors(h) for h in handles],
+            [d["tokens"] for d in deltas],
+            self.spec.outer,
         )
         merge_s = time.perf_counter() - started
         generation = current["generation"] + 1
@@ -521,7 +583,12 @@ class Coordinator:
             self.blobs.delete(old["blob"])
         log.info(
             "round %d closed (%s): %d contributors, %d tokens, generation %d, merge %.2fs",
-            current["round_no"], reason, len(deltas), summary["tokens"], generation, merge_s,
+            current["round_no"],
+            reason,
+            len(deltas),
+            summary["tokens"],
+            generation,
+            merge_s,
         )
         return summary
 

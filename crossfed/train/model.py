@@ -72,7 +72,7 @@ def flavour_names() -> list[str]:
 
 
 def model_config(flavour: str, *, vocab_size: int, device: str = "cpu") -> Qwen3Model.Config:
-    """The torchtitan config of ``flavour`` with the tokenizer's vocabulary and device's attention."""
+    """torchtitan config of ``flavour`` with the tokenizer's vocabulary and device's attention."""
     factory = LOCAL_FLAVOURS.get(flavour) or qwen3_configs.get(flavour)
     if factory is None:
         raise ModelConfigError(
@@ -82,7 +82,9 @@ def model_config(flavour: str, *, vocab_size: int, device: str = "cpu") -> Qwen3
         raise ModelConfigError(f"vocab_size must be >= 2, got {vocab_size}")
     config = factory("flex")
     if "moe" in flavour.lower() or any(layer.moe is not None for layer in config.layers):
-        raise ModelConfigError(f"flavour {flavour!r} is a mixture-of-experts model; crossfed trains dense Qwen3")
+        raise ModelConfigError(
+            f"flavour {flavour!r} is a mixture-of-experts model; crossfed trains dense Qwen3"
+        )
     config.vocab_size = vocab_size
     config.tok_embeddings.num_embeddings = vocab_size
     config.lm_head.out_features = vocab_size
@@ -119,7 +121,9 @@ def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
     missing = sorted(set(params) - set(tensors))
     extra = sorted(set(tensors) - set(params))
     if missing or extra:
-        raise ModelConfigError(f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ModelConfigError(
+            f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     for name, param in params.items():
         value = tensors[name]
         if tuple(value.shape) != tuple(param.shape):
