@@ -18,6 +18,8 @@ setup: $(STAMP)
 
 run: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake --profile profiles/local
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake --profile profiles/local --report results/report.html
+	@echo "crossfed: report at results/report.html, metrics at results/metrics/final.json"
 
 system-deps:
 	bash scripts/install-system-deps.sh

@@ -13,6 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from crossfed.darl.ledger import TABLE3_COLUMNS  # noqa: E402
+
 LEDGER_COLUMNS = [
     "site",
     "ranks",
@@ -172,7 +174,7 @@ def write_report(config: dict[str, Any], site_names: list[str], results: Path) -
     sites = site_table(results)
     rounds = round_table(results, sites)
     initial = _read(results / "rounds" / "0" / "eval.json")
-    ledger = pd.DataFrame(client_for(config, "admin").ledger())[LEDGER_COLUMNS]
+    ledger = pd.DataFrame(client_for(config, "admin").ledger())[list(TABLE3_COLUMNS)]
     check_ledger(ledger)
     ledger.to_csv(results / "ledger.csv", index=False)
     rounds.to_csv(metrics / "rounds.csv", index=False)

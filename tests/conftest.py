@@ -5,18 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from crossfed.coordinator.client import CoordinatorClient
-from crossfed.coordinator.embedded import ensure_secrets, free_port
+from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.train.prepare import prepare
@@ -78,32 +75,7 @@ class LiveCoordinator:
 
 
 def start_process(state_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "crossfed",
-        "coordinator",
-        "serve",
-        "--state-dir",
-        str(state_dir),
-        "--secrets",
-        str(state_dir / "secrets.yaml"),
-        "--port",
-        str(port),
-    ]
-    log = open(state_dir / "coordinator.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((state_dir / "coordinator.log").read_text()[-3000:])
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("coordinator did not start")
+    return spawn_coordinator(state_dir, state_dir / "secrets.yaml", "127.0.0.1", port, 240)
 
 
 @pytest.fixture

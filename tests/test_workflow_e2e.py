@@ -42,7 +42,7 @@ def workdir(tmp_path: Path, rounds: int = 3) -> Path:
     for site in sites["sites"].values():
         site["slowdown"] = min(site["slowdown"], 1.5)
     sites["sites"]["lumi"]["slowdown"] = 3.0  # slow enough to be killed mid-round
-    (tmp_path / "config" / "sites.yaml").write_text(yaml.safe_dump(sites))
+    (tmp_path / "config" / "sites.yaml").write_text(yaml.safe_dump(sites, sort_keys=False))
     return tmp_path
 
 

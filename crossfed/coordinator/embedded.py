@@ -94,15 +94,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 60.0) -> str:
-    """Start the coordinator on loopback in the background (restarting a dead one); its URL."""
-    state_dir = Path(config["coordinator"]["state_dir"])
-    state_dir.mkdir(parents=True, exist_ok=True)
-    stop_embedded(config)
-    secrets_path = Path(config["coordinator"]["secrets"])
-    ensure_secrets(secrets_path, sites)
-    host = config["coordinator"]["host"]
-    port = config["coordinator"]["port"] or free_port(host)
+def spawn_coordinator(
+    state_dir: Path, secrets_path: Path, host: str, port: int, timeout_s: float = 60.0
+) -> subprocess.Popen:
+    """Start ``crossfed coordinator serve`` in its own session and wait until it answers."""
     log_path = state_dir / "coordinator.log"
     cmd = [
         sys.executable,
@@ -131,18 +126,29 @@ def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise EndpointError(f"coordinator exited with {proc.returncode}; see {log_path}")
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise EndpointError(f"coordinator exited with {proc.returncode}; {log_path}:\n{tail}")
         try:
             if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
-                break
+                return proc
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    else:
-        proc.kill()
-        raise EndpointError(
-            f"coordinator did not answer on {url} within {timeout_s}s; see {log_path}"
-        )
+    proc.kill()
+    raise EndpointError(f"coordinator did not answer on {url} within {timeout_s}s; see {log_path}")
+
+
+def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 120.0) -> str:
+    """Start the coordinator on loopback in the background (restarting a dead one); its URL."""
+    state_dir = Path(config["coordinator"]["state_dir"])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    stop_embedded(config)
+    secrets_path = Path(config["coordinator"]["secrets"])
+    ensure_secrets(secrets_path, sites)
+    host = config["coordinator"]["host"]
+    port = config["coordinator"]["port"] or free_port(host)
+    proc = spawn_coordinator(state_dir, secrets_path, host, port, timeout_s)
+    url = f"http://{host}:{port}"
     (state_dir / ENDPOINT).write_text(json.dumps({"url": url, "pid": proc.pid}))
     return url
 

@@ -6,23 +6,33 @@ from crossfed.coordinator.runspec import RoundPolicy
 
 
 def close_decision(
-    *, opened_at: float, now: float, deltas: int, active_leases: int, policy: RoundPolicy
+    *,
+    opened_at: float,
+    first_lease_at: float | None,
+    now: float,
+    deltas: int,
+    active_leases: int,
+    announced: int,
+    policy: RoundPolicy,
 ) -> str | None:
-    """Why round should close now, or None to keep it open.
+    """Why the round should close now, or None to keep it open.
 
     - No accepted delta: the round stays open whatever the time (zero live sites is normal).
-    - Within ``join_window_s`` of opening, late starters may still lease: stay open.
-    - Every lease of the round committed, released or expired: close ("all_in").
-    - Past ``deadline_s`` with leases still out: close without the stragglers ("deadline");
-      their later submissions are stale and rejected.
+    - Within ``join_window_s`` of the round's first lease, late starters may still join.
+    - A site that registered for this round but has not leased yet ("announced", counted by
+      the caller only within ``join_window_s`` of its registration) keeps the round open.
+    - Every lease of the round committed, released or expired, and nobody announced: close
+      ("all_in").
+    - ``deadline_s`` after the round opened, leases or announcements still outstanding: close
+      without the stragglers ("deadline"); their later deltas are stale and rejected.
     """
     if deltas == 0:
         return None
-    age = now - opened_at
-    if age < policy.join_window_s:
+    start = first_lease_at if first_lease_at is not None else opened_at
+    if now - start < policy.join_window_s:
         return None
-    if active_leases == 0:
+    if active_leases == 0 and announced == 0:
         return "all_in"
-    if age >= policy.deadline_s:
+    if now - opened_at >= policy.deadline_s:
         return "deadline"
     return None

@@ -18,6 +18,7 @@ CREATE TABLE IF NOT EXISTS rounds (
     generation INTEGER NOT NULL,
     status TEXT NOT NULL,
     opened_at REAL NOT NULL,
+    first_lease_at REAL,
     closed_at REAL,
     global_step INTEGER NOT NULL,
     close_reason TEXT,
@@ -28,7 +29,9 @@ CREATE TABLE IF NOT EXISTS sites (
     ranks INTEGER NOT NULL,
     rtt_ms REAL,
     t_step_s REAL,
-    last_seen REAL
+    last_seen REAL,
+    joined_round INTEGER,
+    joined_at REAL
 );
 CREATE TABLE IF NOT EXISTS deltas (
     lease_id INTEGER PRIMARY KEY,
