@@ -92,7 +92,8 @@ def site_pids(site: str, round_no: int) -> list[int]:
 
 
 def log_has_steps(path: Path) -> bool:
-    return path.exists() and " step " in path.read_text()
+    """The site's own step lines ("[lumi r2] step 5 (global ...") show it is mid-phase."""
+    return path.exists() and "] step " in path.read_text()
 
 
 def check_ledger(cwd: Path) -> pd.DataFrame:

@@ -1,0 +1,68 @@
+"""The round closing policy, case by case (pure function, no server)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from crossfed.coordinator.rounds import close_decision
+from crossfed.coordinator.runspec import RoundPolicy
+
+POLICY = RoundPolicy(join_window_s=10.0, deadline_s=100.0)
+
+
+def decide(**kw) -> str | None:
+    args = dict(
+        opened_at=0.0,
+        first_lease_at=5.0,
+        now=50.0,
+        deltas=1,
+        active_leases=0,
+        announced=0,
+        policy=POLICY,
+    )
+    args.update(kw)
+    return close_decision(**args)
+
+
+def test_no_delta_keeps_the_round_open_forever() -> None:
+    assert decide(deltas=0, now=1e9, active_leases=0) is None
+
+
+def test_join_window_counts_from_the_first_lease_not_the_opening() -> None:
+    assert decide(first_lease_at=45.0, now=50.0) is None
+    assert decide(first_lease_at=45.0, now=55.0) == "all_in"
+    assert decide(first_lease_at=None, now=9.0) is None  # no lease yet: from the opening
+
+
+def test_active_leases_or_announced_sites_keep_it_open_until_the_deadline() -> None:
+    assert decide(active_leases=1) is None
+    assert decide(announced=1) is None
+    assert decide(active_leases=1, now=100.0) == "deadline"
+    assert decide(announced=2, now=150.0) == "deadline"
+
+
+def test_everyone_in_closes() -> None:
+    assert decide() == "all_in"
+
+
+@given(
+    now=st.floats(0, 1e4),
+    deltas=st.integers(0, 5),
+    active=st.integers(0, 5),
+    announced=st.integers(0, 5),
+    first=st.one_of(st.none(), st.floats(0, 1e4)),
+)
+def test_never_closes_without_a_delta_or_inside_the_window(
+    now, deltas, active, announced, first
+) -> None:
+    reason = decide(
+        now=now, deltas=deltas, active_leases=active, announced=announced, first_lease_at=first
+    )
+    start = first if first is not None else 0.0
+    if deltas == 0 or now - start < POLICY.join_window_s:
+        assert reason is None
+    if reason == "all_in":
+        assert active == 0 and announced == 0
+    if reason == "deadline":
+        assert now >= POLICY.deadline_s
