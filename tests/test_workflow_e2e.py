@@ -35,7 +35,7 @@ def workdir(tmp_path: Path, rounds: int = 3) -> Path:
     config["data"].update(vocab_size=512, seq_len=32, block_size=4)
     config["inner"].update(steps=6, warmup_steps=2)
     config["eval"].update(max_windows=64)
-    config["round_policy"].update(join_window_s=2)
+    config["round_policy"].update(join_window_s=8)
     config["darl"].update(min_ttl_s=4, initial_ttl_s=8, heartbeat_s=0.5)
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
