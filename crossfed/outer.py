@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 DELTA_DTYPES = (torch.bfloat16, torch.float32)
 Kernel = Literal["auto", "eager", "fused"]
 
-# Elements per eager block: 1 MiB of fp32, so a block's working set (sum, scratch, master,
-# momentum and delta slices) stays in L2 while the ops run over it.
-_EAGER_BLOCK = 1 << 18
+# Elements per eager block (16 MiB of fp32): the block's working set stays in cache across the
+# handful of ops run over it. Smaller blocks fit L2 better, but every op is an OpenMP parallel
+# region, and on a busy machine the per-region barrier costs more than the misses saved.
+_EAGER_BLOCK = 1 << 22
 # "auto" compiles the fused kernel only for models at least this large; below it the one-off
 # compile (seconds) costs more than it saves.
 _FUSED_MIN_PARAMS = 1 << 24
@@ -241,32 +242,45 @@ def _fused_body(w: Tensor, b: Tensor, coef: Tensor, *ds: Tensor) -> None:
 
 
 _fused_lock = threading.Lock()
-_fused_kernel: Callable[..., None] | None = None
+_fused_fn: Callable[..., None] | None = None
+_fused_widths: set[int] = set()
 _fused_failed: str | None = None
 
 
-def _get_fused() -> Callable[..., None]:
-    """Compile the fused kernel once per process (raises if this machine cannot compile)."""
-    global _fused_kernel, _fused_failed
+def _width(contributors: int) -> int:
+    return _FUSED_ARITY * math.ceil(contributors / _FUSED_ARITY)
+
+
+def _get_fused(width: int) -> Callable[..., None]:
+    """The fused kernel, compiled for ``width`` deltas (raises if this machine cannot compile).
+
+    Compiling happens here, on small dummy tensors, so that a failure surfaces before any
+    tensor of the model is written.
+    """
+    global _fused_fn, _fused_failed
     with _fused_lock:
-        if _fused_kernel is not None:
-            return _fused_kernel
+        if _fused_fn is not None and width in _fused_widths:
+            return _fused_fn
         if _fused_failed is not None:
             raise RuntimeError(_fused_failed)
         try:
-            # dynamic_threads: the OpenMP loop is parallel whatever size the warm-up call had.
-            fn = torch.compile(
-                _fused_body, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}
-            )
+            if _fused_fn is None:
+                # dynamic_threads: the OpenMP loop is parallel whatever size the warm-up had.
+                _fused_fn = torch.compile(
+                    _fused_body,
+                    dynamic=True,
+                    fullgraph=True,
+                    options={"cpp.dynamic_threads": True},
+                )
             n = 2 * _FUSED_MIN_NUMEL
             with torch.no_grad():
-                ds = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(_FUSED_ARITY)]
-                fn(torch.zeros(n), torch.zeros(n), torch.zeros(_FUSED_ARITY + 2), *ds)
+                ds = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(width)]
+                _fused_fn(torch.zeros(n), torch.zeros(n), torch.zeros(width + 2), *ds)
         except Exception as exc:  # no C++ compiler, unsupported platform, ...
             _fused_failed = f"fused outer-step kernel unavailable: {type(exc).__name__}: {exc}"
             raise RuntimeError(_fused_failed) from exc
-        _fused_kernel = fn
-        return fn
+        _fused_widths.add(width)
+        return _fused_fn
 
 
 def _pick_fused(kernel: Kernel, params: int, contributors: int) -> Callable[..., None] | None:
@@ -276,11 +290,11 @@ def _pick_fused(kernel: Kernel, params: int, contributors: int) -> Callable[...,
     if kernel == "eager" or contributors > _FUSED_MAX_CONTRIBUTORS:
         return None
     if kernel == "fused":
-        return _get_fused()
+        return _get_fused(_width(contributors))
     if params < _FUSED_MIN_PARAMS:
         return None
     try:
-        return _get_fused()
+        return _get_fused(_width(contributors))
     except RuntimeError as exc:
         log.warning("%s; using the eager kernel", exc)
         return None
@@ -291,8 +305,7 @@ def _merge_fused(
 ) -> None:
     flat = [d.reshape(-1) for d in ds]
     # Pad to a multiple of the arity with zero-share views of Δ_0: 0 · Δ_0 adds exactly nothing.
-    width = _FUSED_ARITY * math.ceil(len(flat) / _FUSED_ARITY)
-    flat += [flat[0].view(-1) for _ in range(width - len(flat))]
+    flat += [flat[0].view(-1) for _ in range(_width(len(flat)) - len(flat))]
     fn(w.view(-1), b.view(-1), coef, *flat)
 
 
@@ -348,8 +361,8 @@ def outer_step(
     params = sum(w.numel() for w in master.values())
     fused = _pick_fused(kernel, params, len(live))
     ps = [shares[i] for i in live]
-    width = _FUSED_ARITY * math.ceil(len(ps) / _FUSED_ARITY)
-    coef = torch.tensor([*ps, *[0.0] * (width - len(ps)), beta, eta], dtype=torch.float32)
+    padding = [0.0] * (_width(len(ps)) - len(ps))
+    coef = torch.tensor([*ps, *padding, beta, eta], dtype=torch.float32)
     block = min(_EAGER_BLOCK, max((w.numel() for w in master.values()), default=0))
     scratch = (torch.empty(block), torch.empty(block))
     with torch.no_grad():

@@ -346,7 +346,7 @@ def test_bad_state_and_arguments_are_rejected() -> None:
 def test_auto_falls_back_to_eager_when_the_fused_kernel_cannot_compile(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def cannot_compile():
+    def cannot_compile(width: int):
         raise RuntimeError("fused outer-step kernel unavailable: no compiler")
 
     monkeypatch.setattr(outer, "_get_fused", cannot_compile)
