@@ -11,6 +11,12 @@ Per-site accounting (paper Table 3): steals move the stolen tail from the victim
 `blocks_granted == blocks_committed + blocks_lost + blocks held in its active lease`, where
 `blocks_lost` counts every granted block that went back to the pool uncommitted (TTL expiry,
 clean release, or the untrained rest of a commit).
+
+Grant sizing (`LeaseBook.grant_size`): a site's measured commit rate is the blocks it
+committed over the seconds its leases were held (grant to commit), over its last
+`RATE_WINDOW` commits. Its grant is its requested phase scaled by how fast it works through a
+phase relative to the mean of the live sites, so every site's lease takes about the same wall
+time: fast sites are not starved and slow ones do not hoard (see `proportional_grant`).
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 from sortedcontainers import SortedDict
 
 __all__ = [
+    "RATE_WINDOW",
     "CommitResult",
     "Lease",
     "LeaseBook",
@@ -36,6 +44,7 @@ __all__ = [
 ]
 
 ACTIVE, COMMITTED, EXPIRED, RELEASED = "active", "committed", "expired", "released"
+RATE_WINDOW = 4  # a site's commit rate is measured over its last RATE_WINDOW commits
 
 
 class LeaseError(Exception):
@@ -132,6 +141,10 @@ class LeaseBook:
         self._expiry: list[tuple[float, int]] = []  # (expires_at, lease_id), lazily deleted
         self._stats: dict[str, SiteStats] = {}
         self._next_id = 1
+        # pacing: last commits as (blocks, seconds held), last requested size, last command time
+        self._rates: dict[str, deque[tuple[int, float]]] = {}
+        self._requested: dict[str, int] = {}
+        self._seen: dict[str, float] = {}
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -196,25 +209,92 @@ class LeaseBook:
             "active": sorted(self._active),
             "by_site": {s: v.lease_id for s, v in sorted(self._by_site.items())},
             "stats": {s: dataclasses.asdict(v) for s, v in self._stats.items()},
+            "pacing": {
+                s: (list(self._rates.get(s, ())), self._requested.get(s), self._seen.get(s))
+                for s in sorted(self._stats)
+            },
         }
+
+    def commit_rate(self, site: str) -> float | None:
+        """Blocks per second of lease time over the site's last RATE_WINDOW commits (None if
+        it has not committed a block yet)."""
+        history = self._rates.get(site)
+        if not history:
+            return None
+        blocks = sum(b for b, _ in history)
+        seconds = sum(t for _, t in history)
+        return blocks / seconds if seconds > 0 else None
+
+    def grant_size(
+        self,
+        site: str,
+        requested: int,
+        now: float,
+        *,
+        live_s: float = 3600.0,
+        max_scale: float = 4.0,
+    ) -> int:
+        """Blocks to grant a site that asks for `requested` (its inner phase), by commit rate.
+
+        A site's pace is its commit rate over its last requested size: inner phases per
+        second. The grant is `requested * pace / mean pace`, the mean taken over the sites
+        seen within `live_s` that have a measured rate, rounded half up and kept in
+        [1, max_scale * requested]. With equal requests that is proportional to the commit
+        rate; in general every site's lease then lasts about 1 / mean pace seconds. A site
+        without a measured rate gets what it asked for.
+        """
+        self._site(site)
+        requested = _count("requested", requested, 1)
+        now = _finite("now", now)
+        live_s = _finite("live_s", live_s, positive=True)
+        max_scale = _finite("max_scale", max_scale, positive=True)
+        hi = max(1, math.floor(max_scale * requested))
+        rate = self.commit_rate(site)
+        if rate is None:
+            return min(requested, hi)
+        paces = []
+        for other in self._rates:
+            other_rate = self.commit_rate(other)
+            if other == site or other_rate is None:
+                continue
+            if now - self._seen.get(other, -math.inf) > live_s:
+                continue
+            paces.append(other_rate / self._requested.get(other, requested))
+        own = rate / requested
+        mean = (own + sum(paces)) / (1 + len(paces))
+        return proportional_grant(requested, own, mean, lo=1, hi=hi)
 
     # ---- commands ------------------------------------------------------------------------
 
     def register(self, site: str, now: float) -> None:
         """A site joins (again): counts one entry. Its old lease, if any, lives on its TTL."""
         self._check_site_name(site)
-        _finite("now", now)
+        now = _finite("now", now)
         self._stats.setdefault(site, SiteStats()).entries += 1
+        self._seen[site] = now
 
     def grant(
-        self, site: str, n_blocks: int, now: float, ttl_s: float, round_no: int
+        self,
+        site: str,
+        n_blocks: int,
+        now: float,
+        ttl_s: float,
+        round_no: int,
+        requested: int | None = None,
     ) -> Lease | None:
-        """Lease one contiguous span of up to n_blocks from the lowest pooled position."""
+        """Lease one contiguous span of up to n_blocks from the lowest pooled position.
+
+        `requested` is what the site asked for before sizing (default n_blocks); the book
+        keeps it to measure the site's pace (see `grant_size`).
+        """
         stats = self._site(site)
         n_blocks = _count("n_blocks", n_blocks, 1)
+        requested = n_blocks if requested is None else _count("requested", requested, 1)
         now, ttl_s = _finite("now", now), _finite("ttl_s", ttl_s, positive=True)
         round_no = _count("round_no", round_no)
         self._check_not_holding(site)
+        self._requested[site] = requested
+        self._seen[site] = now
         span = self._take(n_blocks)
         if span is None:
             return None
@@ -239,6 +319,7 @@ class LeaseBook:
         lease.consumed = consumed
         lease.expires_at = now + lease.ttl_s
         self._push_expiry(lease)
+        self._seen[site] = now
         return dataclasses.replace(lease)
 
     def steal(self, site: str, now: float, ttl_s: float, round_no: int) -> Lease | None:
@@ -255,6 +336,7 @@ class LeaseBook:
         self._check_not_holding(site)
         if self._pooled:
             raise LeaseError("pool_not_empty", f"{self._pooled} blocks are pooled; grant instead")
+        self._seen[site] = now
         victim, rest = None, 0
         for lease in self._active.values():  # ascending lease id, so ties keep the oldest
             lease_rest = lease.n_blocks - lease.consumed - 1
@@ -299,6 +381,10 @@ class LeaseBook:
         stats.blocks_lost += lease.end - cut
         lease.consumed = consumed
         self._close(lease, COMMITTED)
+        held = now - lease.granted_at
+        if consumed and held > 0:
+            self._rates.setdefault(site, deque(maxlen=RATE_WINDOW)).append((consumed, held))
+        self._seen[site] = now
         return CommitResult(lease_id, consumed, lease.end - cut, False)
 
     def release(self, lease_id: int, site: str, now: float) -> int:
@@ -333,6 +419,21 @@ class LeaseBook:
             self._close(lease, EXPIRED)
             dead.append(dataclasses.replace(lease))
         return dead
+
+    def grace(self, now: float) -> list[Lease]:
+        """Every active lease gets a fresh TTL from `now` (never a shorter one).
+
+        For a coordinator restart: its sites could not heartbeat while it was down, so a lease
+        must not die for the coordinator's absence; a site that really died loses its lease
+        one TTL later. Returns the renewed leases.
+        """
+        now = _finite("now", now)
+        renewed = []
+        for lease in self._active.values():
+            lease.expires_at = max(lease.expires_at, now + lease.ttl_s)
+            self._push_expiry(lease)
+            renewed.append(dataclasses.replace(lease))
+        return renewed
 
     def next_epoch(self) -> None:
         """Start the next epoch with a full pool; only once every block is committed."""

@@ -45,12 +45,13 @@ TABLE3_COLUMNS = [
 # op -> (required args, optional args); every op carries `now` so replay is deterministic
 OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "register": (("site", "now"), ()),
-    "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ()),
+    "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ("requested",)),
     "heartbeat": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
     "steal": (("site", "now", "ttl_s", "round_no"), ()),
     "commit": (("lease_id", "site", "consumed", "now"), ()),
     "release": (("lease_id", "site", "now"), ()),
     "expire": (("now",), ()),
+    "grace": (("now",), ()),
     "next_epoch": (("now",), ()),
 }
 
@@ -87,7 +88,9 @@ def apply_event(book: LeaseBook, op: str, args: Mapping[str, object]) -> object:
     if op == "register":
         return book.register(a["site"], a["now"])
     if op == "grant":
-        return book.grant(a["site"], a["n_blocks"], a["now"], a["ttl_s"], a["round_no"])
+        return book.grant(
+            a["site"], a["n_blocks"], a["now"], a["ttl_s"], a["round_no"], a.get("requested")
+        )
     if op == "heartbeat":
         return book.heartbeat(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))
     if op == "steal":
@@ -98,6 +101,8 @@ def apply_event(book: LeaseBook, op: str, args: Mapping[str, object]) -> object:
         return book.release(a["lease_id"], a["site"], a["now"])
     if op == "expire":
         return book.expire(a["now"])
+    if op == "grace":
+        return book.grace(a["now"])
     return book.next_epoch()
 
 
