@@ -109,6 +109,12 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     from crossfed.coordinator.embedded import client_for
     from crossfed.launch import site_settings
     from crossfed.site import SiteRunner
+    from crossfed.train.distributed import (
+        close_ranks,
+        init_ranks,
+        relaunch_under_torchrun,
+        under_torchrun,
+    )
 
     config = _config(args)
     sites = load_sites(config)
@@ -132,9 +138,16 @@ def cmd_site_run(args: argparse.Namespace) -> int:
             )
             return 0
     settings = site_settings(config, args.site, sites[args.site], accumulation)
-    client = client_for(config, args.site)
-    runner = SiteRunner(settings, client)
-    outcome = runner.run_round(args.round)
+    if settings.launcher == "torchrun" and not under_torchrun():
+        return relaunch_under_torchrun(settings.inner.ranks, sys.argv[1:], config["launcher"])
+    ranks = init_ranks(settings.device)
+    client = client_for(config, args.site) if ranks.main else None
+    try:
+        outcome = SiteRunner(settings, client, ranks).run_round(args.round)
+    finally:
+        close_ranks(ranks)
+    if not ranks.main:
+        return 0
     from dataclasses import asdict
 
     _write_json(args.out, asdict(outcome))

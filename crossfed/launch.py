@@ -8,6 +8,7 @@ from typing import Any
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.outer import OuterConfig
 from crossfed.site import SiteSettings
+from crossfed.train.distributed import ParallelConfig
 from crossfed.train.inner import InnerConfig
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import read_meta
@@ -66,6 +67,12 @@ def site_settings(
         heartbeat_s=config["darl"]["heartbeat_s"],
         inline_max_bytes=config["transport"]["inline_max_bytes"],
         device=config["model"]["device"],
+        launcher=config["launcher"]["kind"],
+        parallel=ParallelConfig(
+            compile=config["model"]["compile"],
+            activation_checkpointing=config["model"]["activation_checkpointing"],
+        ),
+        checkpoint_every=inner["checkpoint_every"],
         lease_wait_s=config["darl"]["initial_ttl_s"]
         + config["round_policy"]["join_window_s"]
         + 30.0,

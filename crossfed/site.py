@@ -2,9 +2,26 @@
 
 join (digest checked) -> fetch the global model -> lease blocks -> train H inner steps while a
 heartbeat keeps the lease alive -> checkpoint -> send the bf16 delta, which commits the blocks
-in the same coordinator transaction. A job killed after its checkpoint resends the same delta
-when it restarts (the coordinator answers idempotently per lease); one killed before it loses
-only its lease, which expires and returns to the pool.
+in the same coordinator transaction.
+
+Crash safety, in order of where a job dies:
+
+* mid-phase: every ``checkpoint_every`` steps the model, inner AdamW state and data cursor
+  are checkpointed (DCP, atomic). A restarted job in the same round whose lease is still alive
+  continues it from the cursor: no window is retrained or skipped. If the lease has expired
+  its blocks went back to the pool, so the checkpoint's weights and cursor are dropped and the
+  job leases anew.
+* after the end-of-phase checkpoint: the checkpointed delta is resent when the job restarts
+  (the coordinator answers idempotently per lease).
+
+Inner optimiser state persists across rounds, as in DiLoCo: a site that adopts a newer global
+model (the next round, or after missing rounds) keeps its AdamW moments and step count, and
+only a site with no local state starts AdamW afresh. AdamW's moments decay geometrically
+(beta2 = 0.95: about 1% left after 90 steps), so stale moments are forgotten within a round,
+while resetting them would restart the bias correction at the schedule's current (peak) rate.
+
+Under torchrun (``launcher: torchrun``) every rank runs this loop; rank 0 alone talks to the
+coordinator and broadcasts the round's plan, the lease and every step's window limit.
 """
 
 from __future__ import annotations
@@ -24,14 +41,32 @@ from safetensors.torch import load_file
 from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
+from crossfed.train import checkpoint
+from crossfed.train.distributed import (
+    DistributedError,
+    ParallelConfig,
+    Ranks,
+    broadcast_int,
+    broadcast_object,
+    full_parameters,
+    load_full_parameters,
+    mfu,
+    parallelize,
+    rank_device,
+    sum_float,
+    uses_autocast,
+)
 from crossfed.train.inner import (
     InnerConfig,
+    LeaseWindows,
     PhaseResult,
+    PhaseState,
     StepInfo,
+    Trainer,
     make_optimizer,
     run_inner_phase,
 )
-from crossfed.train.model import build_model, load_parameters, parameters_of
+from crossfed.train.model import build_model, flops_per_token
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
 from crossfed.transport import delta_of, save_atomic
@@ -54,6 +89,11 @@ class SiteSettings:
     device: str = "cpu"
     log_every: int = 5
     lease_wait_s: float = 60.0
+    #: "simulate" (one process plays the W ranks) or "torchrun" (W processes, FSDP2)
+    launcher: str = "simulate"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    #: steps between in-phase checkpoints (0: only the end-of-phase one)
+    checkpoint_every: int = 0
 
 
 @dataclass
@@ -70,6 +110,7 @@ class RoundOutcome:
     blocks_committed: int = 0
     steps: int = 0
     tokens: int = 0
+    windows: int = 0
     loss_mean: float | None = None
     loss_last: float | None = None
     compute_s: float = 0.0
@@ -79,6 +120,12 @@ class RoundOutcome:
     checkpoint_s: float = 0.0
     tokens_per_s: float = 0.0
     step_s: float = 0.0
+    #: model FLOPs utilisation on GPU (None on CPU, where no peak is known)
+    mfu: float | None = None
+    accumulation: int = 0
+    ranks: int = 0
+    micro_batch: int = 0
+    launcher: str = ""
     transport: str = ""
     rtt_ms: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -130,35 +177,61 @@ class Heartbeat:
             self.allowed_blocks = shrunk
 
 
-class SiteRunner:
-    """One site's state across rounds: model, inner optimiser, local checkpoints."""
+class _LocalBeat:
+    """Stand-in for the heartbeat on ranks other than 0 (rank 0 alone talks to the coordinator)."""
 
-    def __init__(self, settings: SiteSettings, client: CoordinatorClient) -> None:
+    def __init__(self, lease: dict) -> None:
+        self.allowed_blocks = lease["n_blocks"]
+        self.consumed = lease.get("consumed", 0)
+        self.t_step_s: float | None = None
+        self.lost: str | None = None
+
+    def __enter__(self) -> _LocalBeat:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class SiteRunner:
+    """One site's state across rounds: model, inner optimiser, local checkpoints.
+
+    Under torchrun every rank builds a runner; rank 0 alone holds a coordinator client. It
+    decides what the round does (join, adopt, lease or resume) and broadcasts that; all ranks
+    then train, checkpoint and gather the delta together, and rank 0 sends it.
+    """
+
+    def __init__(
+        self,
+        settings: SiteSettings,
+        client: CoordinatorClient | None,
+        ranks: Ranks | None = None,
+    ) -> None:
         self.s = settings
         self.client = client
+        self.ranks = ranks or Ranks()
+        if self.ranks.distributed and self.ranks.world != settings.inner.ranks:
+            raise DistributedError(
+                f"site {settings.site}: {self.ranks.world} torchrun processes for "
+                f"{settings.inner.ranks} ranks; start one process per rank"
+            )
+        if self.ranks.main and client is None:
+            raise DistributedError("rank 0 needs a coordinator client")
+        self.device = rank_device(settings.device, self.ranks)
         self.store = WindowStore.open(settings.data_dir, "train")
         self.space = BlockSpace(self.store.n_windows, settings.block_size, settings.data_seed)
         self.dir = settings.work_dir / settings.site
+        self.state_dir = self.dir / "state"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.flops_per_token: float | None = None
+        self._restored = False
 
-    # ---------------------------------------------------------------- local checkpoint
+    # ---------------------------------------------------------------- local files
     @property
     def pending_path(self) -> Path:
         return self.dir / "pending.json"
-
-    def _save_state(self) -> None:
-        """Inner optimiser state survives across rounds and restarts (DiLoCo keeps it)."""
-        assert self.optimizer is not None
-        tmp = self.dir / f".optimizer.{os.getpid()}.tmp"
-        torch.save(self.optimizer.state_dict(), tmp)
-        os.replace(tmp, self.dir / "optimizer.pt")
-
-    def _load_state(self) -> None:
-        path = self.dir / "optimizer.pt"
-        if path.exists() and self.optimizer is not None:
-            self.optimizer.load_state_dict(torch.load(path, weights_only=True))
 
     def _write_pending(self, pending: dict[str, Any]) -> None:
         tmp = self.pending_path.with_suffix(".tmp")
@@ -167,8 +240,21 @@ class SiteRunner:
             os.fsync(handle.fileno())
         os.replace(tmp, self.pending_path)
 
+    def _model_path(self, generation: int) -> Path:
+        return self.dir / "models" / f"global-{generation:06d}.safetensors"
+
     # ---------------------------------------------------------------- one round
     def run_round(self, round_no: int) -> RoundOutcome:
+        """Train one round; every rank calls this, rank 0's outcome is the one to report."""
+        start = self._prepare(round_no) if self.ranks.main else None
+        start = broadcast_object(start, self.ranks)
+        if isinstance(start, RoundOutcome):
+            return start
+        return self._run_phase(round_no, start)
+
+    def _prepare(self, round_no: int) -> RoundOutcome | dict[str, Any]:
+        """Rank 0: join, resend a checkpointed delta, adopt the global model, lease or resume."""
+        assert self.client is not None
         rtt = self.client.rtt_ms()
         joined = self.client.register(self.s.site, self.space.digest(), self.s.inner.ranks, rtt)
         resumed = self._resume_pending(round_no)
@@ -183,9 +269,8 @@ class SiteRunner:
                 detail=f"round {round_no} closed; coordinator is at round {joined['round']}",
             )
         generation = joined["generation"]
-        schedule = LRSchedule(**joined["schedule"])
         t0 = time.perf_counter()
-        global_params = self._adopt(generation, joined)
+        model_path = self._download(generation)
         download_s = time.perf_counter() - t0
         want = lease_blocks(
             joined["inner_steps"],
@@ -194,7 +279,9 @@ class SiteRunner:
             self.s.inner.accumulation,
             self.s.block_size,
         )
-        lease = self._lease(round_no, want, rtt)
+        cursor, lease = self._resumable(round_no, generation, joined)
+        if lease is None:
+            lease = self._lease(round_no, want, rtt)
         if lease == "missed":
             return RoundOutcome(
                 self.s.site,
@@ -214,7 +301,7 @@ class SiteRunner:
                 detail="no blocks to lease or steal before the round closed",
             )
         log.info(
-            "[%s r%d] lease %d: %d blocks (asked %d), generation %d, global step %d",
+            "[%s r%d] lease %d: %d blocks (asked %d), generation %d, global step %d%s",
             self.s.site,
             round_no,
             lease["lease_id"],
@@ -222,10 +309,120 @@ class SiteRunner:
             want,
             generation,
             joined["global_step"],
+            f", resuming at window {cursor['windows']}" if cursor else "",
         )
+        return {
+            "generation": generation,
+            "global_step": cursor["global_step"] if cursor else joined["global_step"],
+            "schedule": joined["schedule"],
+            "flavour": joined["flavour"],
+            "vocab_size": joined["vocab_size"],
+            "lease": lease,
+            "model_path": str(model_path),
+            "cursor": cursor,
+            "download_s": download_s,
+            "rtt_ms": rtt,
+        }
+
+    def _resumable(
+        self, round_no: int, generation: int, joined: dict
+    ) -> tuple[dict | None, dict | None]:
+        """A mid-phase checkpoint this job can continue: same round and generation, and the
+        lease it trained is still alive (a heartbeat confirms it). Otherwise the checkpoint's
+        weights and cursor are dropped (its blocks return to the pool on the lease's TTL)."""
+        cursor = checkpoint.latest(self.state_dir)
+        if cursor is None or cursor.get("status") != "training":
+            return None, None
+        if cursor["round"] != round_no or cursor["generation"] != generation:
+            log.info(
+                "[%s] dropping the mid-phase checkpoint of round %d", self.s.site, cursor["round"]
+            )
+            return None, None
+        live = [
+            lease
+            for lease in joined.get("active_leases", [])
+            if lease["lease_id"] == cursor["lease_id"] and lease["site"] == self.s.site
+        ]
+        if not live:
+            log.info(
+                "[%s r%d] lease %d of the mid-phase checkpoint has expired; training anew",
+                self.s.site,
+                round_no,
+                cursor["lease_id"],
+            )
+            return None, None
+        lease = live[0]
+        assert self.client is not None
+        try:
+            reply = self.client.heartbeat(lease["lease_id"], self.s.site, lease["consumed"], None)
+        except Refused as exc:
+            log.info(
+                "[%s r%d] lease %d is gone (%s)", self.s.site, round_no, lease["lease_id"], exc.code
+            )
+            return None, None
+        lease = reply["lease"]
+        if list(lease["blocks"]) != list(cursor["blocks"])[: len(lease["blocks"])]:
+            raise checkpoint.CheckpointError(
+                f"lease {lease['lease_id']}: blocks differ from the checkpoint's record"
+            )
+        return cursor, lease
+
+    def _download(self, generation: int) -> Path:
+        """The global model of ``generation`` on local disk (older ones removed)."""
+        assert self.client is not None
+        path = self._model_path(generation)
+        self.client.download_model(generation, path)
+        for old in path.parent.glob("global-*.safetensors"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        return path
+
+    # ---------------------------------------------------------------- all ranks
+    def _ensure_model(self, flavour: str, vocab_size: int) -> None:
+        """Build, parallelise and pair with AdamW once per process; reload the inner state.
+
+        The inner AdamW state is kept across rounds (DiLoCo): a restarted job reloads it from
+        the newest local checkpoint, whatever generation that checkpoint trained from.
+        """
+        if self.model is not None:
+            return
+        model = build_model(flavour, vocab_size=vocab_size, device=self.device)
+        self.flops_per_token = flops_per_token(model, flavour, vocab_size, self.store.seq_len)
+        self.model = parallelize(model, self.ranks, self.s.parallel, self.device)
+        self.optimizer = make_optimizer(self.model, self.s.inner, lr=0.0)
+
+    def _restore(self, cursor: dict | None) -> None:
+        """Resuming ``cursor``: its weights and optimiser state. A fresh process: the inner
+        optimiser state of the newest checkpoint (kept across rounds, as DiLoCo does)."""
+        assert self.model is not None and self.optimizer is not None
+        if cursor is not None:
+            checkpoint.load(cursor, self.model, self.optimizer, weights=True)
+        elif not self._restored:
+            newest = checkpoint.latest(self.state_dir)
+            if newest is not None:
+                checkpoint.load(newest, self.model, self.optimizer, weights=False)
+        self._restored = True
+
+    def _run_phase(self, round_no: int, start: dict[str, Any]) -> RoundOutcome:
+        self._ensure_model(start["flavour"], start["vocab_size"])
+        assert self.model is not None and self.optimizer is not None
+        cursor = start["cursor"]
+        if cursor is None:
+            load_full_parameters(self.model, load_file(start["model_path"]))
+        self._restore(cursor)
+        lease, generation = start["lease"], start["generation"]
+        state = PhaseState.from_dict(cursor) if cursor else PhaseState()
+        resumed_at = state.windows
+        beat_cls = Heartbeat if self.ranks.main else None
+        beat = (
+            beat_cls(self.client, self.s.site, lease, self.s.heartbeat_s)
+            if beat_cls is not None
+            else _LocalBeat(lease)
+        )
+        beat.consumed = max(beat.consumed, lease.get("consumed", 0))
         # the heartbeat runs until the delta is in: a commit needs a live lease
-        with Heartbeat(self.client, self.s.site, lease, self.s.heartbeat_s) as beat:
-            result = self._train(lease, beat, schedule, joined["global_step"], round_no)
+        with beat:
+            state = self._train(round_no, start, state, beat)
             outcome = RoundOutcome(
                 self.s.site,
                 round_no,
@@ -233,76 +430,91 @@ class SiteRunner:
                 generation=generation,
                 lease_id=lease["lease_id"],
                 blocks_leased=lease["n_blocks"],
-                steps=result.steps,
-                tokens=result.tokens,
-                loss_mean=result.loss_mean,
-                loss_last=result.loss_last,
-                compute_s=result.compute_s,
-                download_s=download_s,
-                step_s=result.step_s,
-                rtt_ms=rtt,
-                tokens_per_s=result.tokens / result.compute_s if result.compute_s else 0.0,
+                steps=state.steps,
+                tokens=state.tokens,
+                windows=state.windows,
+                loss_mean=PhaseResult.of(state).loss_mean,
+                loss_last=PhaseResult.of(state).loss_last,
+                compute_s=state.compute_s,
+                download_s=start["download_s"],
+                step_s=PhaseResult.of(state).step_s,
+                rtt_ms=start["rtt_ms"],
+                tokens_per_s=state.tokens / state.compute_s if state.compute_s else 0.0,
+                accumulation=self.s.inner.accumulation,
+                ranks=self.s.inner.ranks,
+                micro_batch=self.s.inner.micro_batch,
+                launcher=self.s.launcher,
             )
-            if beat.lost is not None or result.steps == 0:
-                outcome.status, outcome.detail = "lease_lost", beat.lost or "lease empty"
+            outcome.mfu = mfu(
+                outcome.tokens_per_s, self.flops_per_token, self.device, self.ranks.world
+            )
+            if resumed_at:
+                outcome.extra["resumed_at_window"] = resumed_at
+            lost = broadcast_object(beat.lost, self.ranks)
+            if lost is not None or state.steps == 0:
+                outcome.status, outcome.detail = "lease_lost", lost or "lease empty"
                 return outcome
-            pending = self._checkpoint(round_no, lease, generation, result, global_params, outcome)
+            pending = self._checkpoint(round_no, start, state, outcome)
+            if not self.ranks.main:
+                return outcome
             return self._send(pending, outcome)
 
-    def _checkpoint(
-        self,
-        round_no: int,
-        lease: dict,
-        generation: int,
-        result: PhaseResult,
-        global_params: dict[str, torch.Tensor],
-        outcome: RoundOutcome,
-    ) -> dict:
-        """Write the delta, optimiser state and the pending record before any commit."""
-        t1 = time.perf_counter()
-        assert self.model is not None
-        delta = delta_of(parameters_of(self.model), global_params)
-        delta_path = self.dir / f"delta-r{round_no:05d}.safetensors"
-        save_atomic(delta, delta_path, {"site": self.s.site, "round": str(round_no)})
-        self._save_state()
-        pending = {
+    def _cursor(self, round_no: int, start: dict, state: PhaseState, status: str) -> dict:
+        return {
             "round": round_no,
-            "lease_id": lease["lease_id"],
-            "generation": generation,
-            "tokens": result.tokens,
-            "steps": result.steps,
-            "consumed": self._blocks_covered(lease, result.windows),
-            "loss": result.loss_mean,
-            "compute_s": result.compute_s,
-            "delta": str(delta_path),
+            "status": status,
+            "lease_id": start["lease"]["lease_id"],
+            "blocks": list(start["lease"]["blocks"]),
+            "generation": start["generation"],
+            "global_step": start["global_step"],
+            "site": self.s.site,
+            **state.to_dict(),
         }
-        self._write_pending(pending)
-        outcome.checkpoint_s = time.perf_counter() - t1
-        return pending
 
-    def _adopt(self, generation: int, joined: dict) -> dict[str, torch.Tensor]:
-        """Load the current global model (a joiner adopts it like everyone else)."""
-        path = self.dir / "models" / f"global-{generation:06d}.safetensors"
-        self.client.download_model(generation, path)
-        tensors = load_file(str(path))
-        if self.model is None:
-            self.model = build_model(
-                joined["flavour"], vocab_size=joined["vocab_size"], device=self.s.device
-            )
-            self.optimizer = make_optimizer(self.model, self.s.inner, lr=0.0)
-            self._load_state()
-        load_parameters(self.model, tensors)
-        for old in path.parent.glob("global-*.safetensors"):
-            if old != path:
-                old.unlink(missing_ok=True)
-        return {k: v.to(self.s.device) for k, v in tensors.items()}
+    def _checkpoint(
+        self, round_no: int, start: dict, state: PhaseState, outcome: RoundOutcome
+    ) -> dict | None:
+        """Model, optimiser and cursor (DCP), the delta and the pending record: all before the
+        commit. Collective; rank 0 returns the pending record."""
+        assert self.model is not None and self.optimizer is not None
+        t1 = time.perf_counter()
+        params = full_parameters(self.model)
+        checkpoint.save(
+            self.state_dir,
+            self.model,
+            self.optimizer,
+            self._cursor(round_no, start, state, "done"),
+            self.ranks,
+        )
+        pending = None
+        if self.ranks.main:
+            delta = delta_of(params, load_file(start["model_path"]))
+            delta_path = self.dir / f"delta-r{round_no:05d}.safetensors"
+            save_atomic(delta, delta_path, {"site": self.s.site, "round": str(round_no)})
+            pending = {
+                "round": round_no,
+                "lease_id": start["lease"]["lease_id"],
+                "generation": start["generation"],
+                "tokens": state.tokens,
+                "steps": state.steps,
+                "consumed": self._blocks_covered(start["lease"], state.windows),
+                "loss": PhaseResult.of(state).loss_mean,
+                "compute_s": state.compute_s,
+                "delta": str(delta_path),
+            }
+            self._write_pending(pending)
+        del params
+        outcome.checkpoint_s = state.checkpoint_s + time.perf_counter() - t1
+        return pending
 
     def _lease(self, round_no: int, want: int, rtt: float) -> dict | str | None:
         """A lease, None when no data turned up in time, or "missed" when the round closed.
 
-        A restarted job whose previous incarnation still holds a lease waits for that lease's
-        TTL to return it to the pool (the crash costs exactly that lease), then leases anew.
+        A restarted job whose previous incarnation still holds a lease it cannot continue
+        waits for that lease's TTL to return it to the pool (the crash costs exactly that
+        lease), then leases anew.
         """
+        assert self.client is not None
         deadline = time.monotonic() + self.s.lease_wait_s
         delay = 0.5
         while True:
@@ -341,22 +553,34 @@ class SiteRunner:
         return covered
 
     def _train(
-        self, lease: dict, beat: Heartbeat, schedule: LRSchedule, global_step: int, round_no: int
-    ) -> PhaseResult:
+        self, round_no: int, start: dict, state: PhaseState, beat: Heartbeat | _LocalBeat
+    ) -> PhaseState:
         assert self.model is not None and self.optimizer is not None
-        ranges = self._ranges(lease["blocks"])
-        sizes = [stop - start for start, stop in ranges]
+        lease = start["lease"]
+        windows = LeaseWindows.of(self._ranges(lease["blocks"]))
+        sizes = [stop - start_ for start_, stop in windows.ranges]
         started = time.perf_counter()
+        trainer = Trainer(
+            self.model,
+            self.optimizer,
+            self.s.inner,
+            device=self.device,
+            rank=self.ranks.rank,
+            world=self.ranks.world,
+            autocast=uses_autocast(self.device, self.ranks),
+            reduce_loss=lambda value: sum_float(value, self.ranks, self.device),
+        )
 
         def limit() -> int:
-            if beat.lost is not None:
-                return 0
-            return sum(sizes[: beat.allowed_blocks])
+            allowed = 0 if beat.lost is not None else sum(sizes[: beat.allowed_blocks])
+            return broadcast_int(allowed, self.ranks, self.device)
 
         def on_step(info: StepInfo) -> None:
-            beat.consumed = self._blocks_covered(lease, info.windows_done)
+            beat.consumed = max(beat.consumed, self._blocks_covered(lease, info.windows_done))
             beat.t_step_s = info.step_s
-            if info.step % self.s.log_every == 0 or info.windows_done >= limit():
+            if self.ranks.main and (
+                info.step % self.s.log_every == 0 or info.windows_done >= len(windows)
+            ):
                 log.info(
                     "[%s r%d] step %d (global %d) loss %.4f lr %.2e %.0f tok/s lease %d/%d blocks",
                     self.s.site,
@@ -365,34 +589,41 @@ class SiteRunner:
                     info.global_step,
                     info.loss,
                     info.lr,
-                    info.tokens / max(1e-9, time.perf_counter() - started),
+                    (info.tokens - tokens0) / max(1e-9, time.perf_counter() - started),
                     beat.consumed,
                     beat.allowed_blocks,
                 )
 
-        result = run_inner_phase(
-            self.model,
-            self.optimizer,
+        def save(state: PhaseState) -> None:
+            assert self.model is not None and self.optimizer is not None
+            cursor = self._cursor(round_no, start, state, "training")
+            checkpoint.save(self.state_dir, self.model, self.optimizer, cursor, self.ranks)
+
+        tokens0 = state.tokens
+        state = run_inner_phase(
+            trainer,
             self.store.windows,
-            ranges,
-            config=self.s.inner,
-            schedule=schedule,
-            global_step=global_step,
+            windows,
+            schedule=LRSchedule(**start["schedule"]),
+            global_step=start["global_step"],
+            state=state,
             window_limit=limit,
             on_step=on_step,
-            device=self.s.device,
+            checkpoint=save,
+            checkpoint_every=self.s.checkpoint_every,
         )
-        log.info(
-            "[%s r%d] trained %d steps on %d/%d windows, %d tokens in %.1fs",
-            self.s.site,
-            round_no,
-            result.steps,
-            result.windows,
-            sum(sizes),
-            result.tokens,
-            result.compute_s,
-        )
-        return result
+        if self.ranks.main:
+            log.info(
+                "[%s r%d] trained %d steps on %d/%d windows, %d tokens in %.1fs",
+                self.s.site,
+                round_no,
+                state.steps,
+                state.windows,
+                len(windows),
+                state.tokens,
+                state.compute_s,
+            )
+        return state
 
     def _send(self, pending: dict[str, Any], outcome: RoundOutcome) -> RoundOutcome:
         """Send the checkpointed delta; the reply commits its blocks (or rejects it as stale)."""

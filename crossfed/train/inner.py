@@ -1,21 +1,35 @@
 """One DiLoCo inner phase: AdamW steps over exactly the leased windows.
 
-A site's global batch per step is ``ranks * accumulation * micro_batch`` windows. In a single
-process the ``ranks`` are simulated as extra accumulation micro-batches (the same gradient a
-data-parallel all-reduce would give); under torchrun each rank takes its own slice.
+The leased blocks form one sequence of windows, its *positions* ``0 .. n-1``; the data cursor
+is a position. An optimiser step takes the next ``ranks * accumulation * micro_batch`` (W*A*B)
+positions; rank ``r`` trains the ``r``-th contiguous share of them in micro-batches of B. The
+last step of a lease may be short: its windows are split as evenly as the ranks allow, and a
+rank with fewer micro-batches runs zero-weight ones so every rank makes the same collective
+calls. Every leased window is trained exactly once, in the same step, whatever W, A and B are.
+
+Each micro-batch's mean loss is weighted by its share of the step's windows and the weighted
+gradients are *summed* over ranks, so the step's gradient is the mean over its windows. In one
+process the W ranks are simulated one after another (the local default); under torchrun with
+FSDP each process trains its own rank and FSDP sums the gradients (see ``distributed.py``).
+Both give the same step, to floating-point summation order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from crossfed.train.schedule import LRSchedule
+
+
+class InnerConfigError(ValueError):
+    """An inner-phase shape or setting that cannot be trained."""
 
 
 @dataclass(frozen=True)
@@ -31,11 +45,101 @@ class InnerConfig:
     #: simulated slowness of a local site: each step is stretched to ``slowdown`` times its cost
     slowdown: float = 1.0
 
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "ranks", "accumulation"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InnerConfigError(f"inner {name} must be a positive integer, got {value!r}")
+        if not self.slowdown >= 1.0:
+            raise InnerConfigError(f"inner slowdown must be >= 1, got {self.slowdown!r}")
+
     @property
     def windows_per_step(self) -> int:
         return self.micro_batch * self.ranks * self.accumulation
 
 
+# ---------------------------------------------------------------------- lease -> steps
+@dataclass(frozen=True)
+class LeaseWindows:
+    """The leased windows as one sequence: ``ranges`` are dataset window spans in lease order."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, ranges: Sequence[tuple[int, int]]) -> LeaseWindows:
+        return cls(tuple((int(a), int(b)) for a, b in ranges))
+
+    def __len__(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    def spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Dataset window spans behind lease positions ``[lo, hi)``, in order."""
+        out, offset = [], 0
+        for a, b in self.ranges:
+            size = b - a
+            s, e = max(lo, offset), min(hi, offset + size)
+            if s < e:
+                out.append((a + s - offset, a + e - offset))
+            offset += size
+            if offset >= hi:
+                break
+        return out
+
+    def indices(self, lo: int, hi: int) -> list[int]:
+        """Dataset window indices behind lease positions ``[lo, hi)``."""
+        return [i for a, b in self.spans(lo, hi) for i in range(a, b)]
+
+
+def rank_shares(n: int, ranks: int) -> list[tuple[int, int]]:
+    """Split ``n`` step positions into ``ranks`` contiguous ``[lo, hi)`` shares, sizes +-1."""
+    base, extra = divmod(n, ranks)
+    out, lo = [], 0
+    for r in range(ranks):
+        hi = lo + base + (1 if r < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimiser step: positions ``[start, start + n)``, cut into micro-batches per rank.
+
+    ``micro[r]`` lists rank r's micro-batches as absolute position spans; every rank has
+    ``passes`` micro-batch slots, the ones beyond ``len(micro[r])`` are zero-weight padding.
+    """
+
+    start: int
+    n: int
+    micro: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def passes(self) -> int:
+        return max(len(m) for m in self.micro)
+
+
+def plan_step(start: int, n: int, config: InnerConfig) -> StepPlan:
+    """The micro-batches of the step over positions ``[start, start + n)``."""
+    if not 0 < n <= config.windows_per_step:
+        raise InnerConfigError(f"a step holds 1..{config.windows_per_step} windows, not {n}")
+    micro = []
+    for lo, hi in rank_shares(n, config.ranks):
+        cuts = range(start + lo, start + hi, config.micro_batch)
+        micro.append(tuple((c, min(c + config.micro_batch, start + hi)) for c in cuts))
+    return StepPlan(start, n, tuple(micro))
+
+
+def plan_steps(total: int, config: InnerConfig, start: int = 0) -> Iterator[StepPlan]:
+    """Steps from cursor ``start`` to ``total``; only the last may be short."""
+    per_step = config.windows_per_step
+    cursor = start
+    while cursor < total:
+        n = min(per_step, total - cursor)
+        yield plan_step(cursor, n, config)
+        cursor += n
+
+
+# ---------------------------------------------------------------------- training
 @dataclass
 class StepInfo:
     """What a step reports to the site loop (console, heartbeat, metrics)."""
@@ -50,6 +154,34 @@ class StepInfo:
 
 
 @dataclass
+class PhaseState:
+    """The data cursor and running totals of one inner phase (what a checkpoint saves)."""
+
+    windows: int = 0
+    steps: int = 0
+    tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    compute_s: float = 0.0
+    checkpoint_s: float = 0.0
+    stopped_early: bool = False
+
+    def to_dict(self) -> dict:
+        return {
+            "windows": self.windows,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "losses": list(self.losses),
+            "compute_s": self.compute_s,
+            "checkpoint_s": self.checkpoint_s,
+            "stopped_early": self.stopped_early,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PhaseState:
+        return cls(**{k: data[k] for k in cls().to_dict() if k in data})
+
+
+@dataclass
 class PhaseResult:
     """Outcome of one inner phase."""
 
@@ -61,6 +193,21 @@ class PhaseResult:
     compute_s: float
     step_s: float
     stopped_early: bool
+    checkpoint_s: float = 0.0
+
+    @classmethod
+    def of(cls, state: PhaseState) -> PhaseResult:
+        return cls(
+            steps=state.steps,
+            windows=state.windows,
+            tokens=state.tokens,
+            loss_mean=float(np.mean(state.losses)) if state.losses else float("nan"),
+            loss_last=state.losses[-1] if state.losses else float("nan"),
+            compute_s=state.compute_s,
+            step_s=state.compute_s / state.steps if state.steps else 0.0,
+            stopped_early=state.stopped_early,
+            checkpoint_s=state.checkpoint_s,
+        )
 
 
 def make_optimizer(model: torch.nn.Module, config: InnerConfig, lr: float) -> torch.optim.AdamW:
@@ -81,94 +228,166 @@ def language_model_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def iter_window_batches(
-    read: Callable[[int, int], np.ndarray], ranges: Sequence[tuple[int, int]], size: int
-) -> Iterator[np.ndarray]:
-    """Yield consecutive batches of ``size`` windows over the ranges, the last possibly short."""
-    pending: list[np.ndarray] = []
-    count = 0
-    for start, stop in ranges:
-        cursor = start
-        while cursor < stop:
-            take = min(stop - cursor, size - count)
-            pending.append(read(cursor, cursor + take))
-            count += take
-            cursor += take
-            if count == size:
-                yield np.concatenate(pending)
-                pending, count = [], 0
-    if count:
-        yield np.concatenate(pending)
+def read_positions(
+    read: Callable[[int, int], np.ndarray], lease: LeaseWindows, lo: int, hi: int
+) -> np.ndarray:
+    """The windows at lease positions ``[lo, hi)``: one contiguous memmap read per span."""
+    parts = [read(a, b) for a, b in lease.spans(lo, hi)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+@dataclass
+class Trainer:
+    """Forward/backward/step of one rank (or of all W ranks, simulated in one process).
+
+    ``rank``/``world`` are the real process ranks: ``world == 1`` simulates every one of
+    ``config.ranks``; ``world == config.ranks`` trains rank ``rank``'s share only.
+    ``reduce_loss`` sums a float over real ranks (identity in one process).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    config: InnerConfig
+    device: str = "cpu"
+    rank: int = 0
+    world: int = 1
+    autocast: bool = False
+    reduce_loss: Callable[[float], float] = float
+
+    def __post_init__(self) -> None:
+        if self.world not in (1, self.config.ranks):
+            raise InnerConfigError(
+                f"{self.world} processes cannot train {self.config.ranks} ranks: run one "
+                "process (ranks simulated) or exactly one process per rank"
+            )
+        self._sync = hasattr(self.model, "set_requires_gradient_sync") and self.world > 1
+
+    def _micro_batches(self, plan: StepPlan) -> list[tuple[int, int] | None]:
+        """This process's micro-batch spans, padded with None (zero weight) to ``passes``."""
+        ranks = range(self.config.ranks) if self.world == 1 else [self.rank]
+        out: list[tuple[int, int] | None] = []
+        for r in ranks:
+            mine = list(plan.micro[r])
+            if self.world > 1:
+                mine += [None] * (plan.passes - len(mine))
+            out += mine
+        return out
+
+    def step(
+        self,
+        plan: StepPlan,
+        fetch: Callable[[int, int], np.ndarray],
+        lr: float,
+        window_len: Callable[[], int] | None = None,
+    ) -> float:
+        """One optimiser step over ``plan``; returns the step's mean loss (over all ranks).
+
+        Padding passes train a window of zeros with weight 0 (``window_len()`` tokens long).
+        """
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro = self._micro_batches(plan)
+        local = 0.0
+        for i, span in enumerate(micro):
+            if span is None:  # padding: same collectives, no contribution
+                length = window_len() if window_len else fetch(plan.start, plan.start + 1).shape[1]
+                windows, weight = np.zeros((1, length), dtype=np.int64), 0.0
+            else:
+                windows, weight = fetch(*span), (span[1] - span[0]) / plan.n
+            if self._sync:
+                self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            batch = torch.from_numpy(windows).to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = language_model_loss(self.model, batch) * weight
+            loss.backward()
+            local += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.reduce_loss(local)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
 
 
 def run_inner_phase(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    trainer: Trainer,
     read: Callable[[int, int], np.ndarray],
-    ranges: Sequence[tuple[int, int]],
+    lease: LeaseWindows,
     *,
-    config: InnerConfig,
     schedule: LRSchedule,
     global_step: int,
+    state: PhaseState | None = None,
     window_limit: Callable[[], int] | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
-    device: str = "cpu",
-) -> PhaseResult:
-    """Train on every window of ``ranges`` in order, one optimiser step per global batch.
+    checkpoint: Callable[[PhaseState], None] | None = None,
+    checkpoint_every: int = 0,
+) -> PhaseState:
+    """Train the lease from ``state.windows`` (the cursor) to its end, one step per W*A*B.
 
-    ``window_limit()`` is asked before each step: a steal shrinks the lease and the phase
-    stops exactly at the new limit (the last step may be short), never training past it.
+    ``global_step`` is the run's step when the phase began; step ``k`` of the phase uses the
+    learning rate of global step ``global_step + k``, so a resumed phase and a joiner both
+    continue the schedule. ``window_limit()`` is asked before each step (on every rank): a
+    steal shrinks the lease and the phase stops exactly at the new limit, never past it.
+    ``checkpoint(state)`` runs every ``checkpoint_every`` steps (0: never); its time is kept
+    apart from compute.
     """
-    model.train()
-    per_step = config.windows_per_step
-    done = steps = tokens = 0
-    losses: list[float] = []
-    stopped_early = False
-    started = time.perf_counter()
-    for batch in iter_window_batches(read, ranges, per_step):
-        limit = window_limit() if window_limit else None
-        if limit is not None and done + len(batch) > limit:
-            batch = batch[: max(0, limit - done)]
-            stopped_early = True
-            if len(batch) == 0:
+    state = state or PhaseState()
+    trainer.model.train()
+    total = len(lease)
+    window_len = [0]
+
+    def fetch(lo: int, hi: int) -> np.ndarray:
+        windows = read_positions(read, lease, lo, hi)
+        window_len[0] = windows.shape[1]
+        return windows
+
+    def len_of(position: int) -> int:  # a lease smaller than its ranks: read one to learn it
+        return read_positions(read, lease, position, position + 1).shape[1]
+
+    slowdown = trainer.config.slowdown
+    for plan in plan_steps(total, trainer.config, start=state.windows):
+        limit = window_limit() if window_limit else total
+        if plan.start + plan.n > limit:
+            state.stopped_early = True
+            if limit <= plan.start:
                 break
+            plan = plan_step(plan.start, limit - plan.start, trainer.config)
         t0 = time.perf_counter()
-        lr = schedule.lr_at(global_step + steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro = torch.from_numpy(batch.astype(np.int64)).to(device)
-        chunks = torch.split(micro, config.micro_batch)
-        step_loss = 0.0
-        for chunk in chunks:
-            loss = language_model_loss(model, chunk) * (len(chunk) / len(micro))
-            loss.backward()
-            step_loss += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr = schedule.lr_at(global_step + state.steps)
+        first = plan.start
+        loss = trainer.step(plan, fetch, lr, lambda: window_len[0] or len_of(first))  # noqa: B023
         step_s = time.perf_counter() - t0
-        if config.slowdown > 1.0:
-            time.sleep(step_s * (config.slowdown - 1.0))
-            step_s *= config.slowdown
-        steps += 1
-        done += len(batch)
-        tokens += int(batch.shape[0] * (batch.shape[1] - 1))
-        losses.append(step_loss)
+        if slowdown > 1.0:
+            time.sleep(step_s * (slowdown - 1.0))
+            step_s *= slowdown
+        state.steps += 1
+        state.windows += plan.n
+        state.compute_s += step_s
+        state.tokens += plan.n * (window_len[0] - 1)
+        state.losses.append(loss)
         if on_step:
-            on_step(StepInfo(steps, global_step + steps, done, step_loss, lr, step_s, tokens))
-        if stopped_early:
+            on_step(
+                StepInfo(
+                    state.steps,
+                    global_step + state.steps,
+                    state.windows,
+                    loss,
+                    lr,
+                    step_s,
+                    state.tokens,
+                )
+            )
+        if checkpoint and checkpoint_every and state.steps % checkpoint_every == 0:
+            if state.windows < total and not state.stopped_early:
+                t1 = time.perf_counter()
+                checkpoint(state)
+                state.checkpoint_s += time.perf_counter() - t1
+        if state.stopped_early:
             break
-    compute_s = time.perf_counter() - started
-    return PhaseResult(
-        steps=steps,
-        windows=done,
-        tokens=tokens,
-        loss_mean=float(np.mean(losses)) if losses else float("nan"),
-        loss_last=losses[-1] if losses else float("nan"),
-        compute_s=compute_s,
-        step_s=compute_s / steps if steps else 0.0,
-        stopped_early=stopped_early,
-    )
+    return state
 
 
 @torch.no_grad()

@@ -136,3 +136,10 @@ def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of unique trainable parameters."""
     return sum(p.numel() for p in parameters_of(model).values())
+
+
+def flops_per_token(model: torch.nn.Module, flavour: str, vocab_size: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), torchtitan's estimate for dense Qwen3."""
+    config = model_config(flavour, vocab_size=vocab_size)
+    _, flops = config.get_nparams_and_flops(model, seq_len)
+    return float(flops)

@@ -1,0 +1,139 @@
+"""A site's inner phase against a real coordinator: one round in-process, a job SIGKILLed
+mid-phase that resumes from its checkpoint (same lease, no window retrained or skipped), and
+a torchrun site whose rank 0 talks to the coordinator."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from crossfed.config import load_run_config, load_sites
+from crossfed.coordinator.runspec import LeasePolicy
+from crossfed.launch import site_settings
+from crossfed.site import SiteRunner
+from crossfed.train import checkpoint
+from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
+
+
+def site_config(tmp_path: Path, live: LiveCoordinator, data: Path, **inner) -> Path:
+    """A run config and sites file for ``live`` (block space of ``tiny_spec``)."""
+    sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
+    for name, site in sites["sites"].items():
+        site.update(ranks=2 if name == "lumi" else 1, micro_batch=4, accumulation=1)
+        site.update(slowdown=1.0)
+    sites["sites"]["lumi"]["slowdown"] = inner.pop("slowdown", 1.0)
+    write_yaml(tmp_path / "sites.yaml", sites)
+    config = {
+        "results": str(tmp_path / "results"),
+        "sites_file": str(tmp_path / "sites.yaml"),
+        "data": {"dir": str(data), "block_size": 8, "seed": 7},
+        "inner": {"checkpoint_every": 1, **inner},
+        "darl": {"heartbeat_s": 0.3, "initial_ttl_s": 5},
+        "round_policy": {"join_window_s": 0.5},
+        "coordinator": {"url": live.url, "secrets": str(live.state_dir / "secrets.yaml")},
+    }
+    return write_yaml(tmp_path / "config.yaml", config)
+
+
+def init(live: LiveCoordinator, data: Path) -> None:
+    spec = tiny_spec(
+        data,
+        sites={name: 2 if name == "lumi" else 1 for name in SITES},
+        leases=LeasePolicy(min_ttl_s=120.0, initial_ttl_s=120.0),
+    )
+    live.client().init_run(spec.to_dict())
+
+
+def ledger_row(live: LiveCoordinator, site: str) -> dict:
+    return {row["site"]: row for row in live.client().ledger()}[site]
+
+
+def test_a_site_round_trains_its_lease_and_commits_it(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    init(coordinator, tiny_data)
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
+    sites = load_sites(config)
+    runner = SiteRunner(site_settings(config, "lumi", sites["lumi"]), coordinator.client("lumi"))
+    outcome = runner.run_round(1)
+    assert outcome.status == "accepted", outcome.detail
+    # H=4 steps of W*A*B = 2*1*4 windows: 4 blocks of 8 windows, trained once each
+    assert outcome.steps == 4 and outcome.windows == 32 and outcome.blocks_committed == 4
+    assert outcome.tokens == 32 * 32 and outcome.ranks == 2 and outcome.launcher == "simulate"
+    assert outcome.mfu is None and outcome.tokens_per_s > 0 and outcome.checkpoint_s > 0
+    cursor = checkpoint.latest(tmp_path / "results" / "sites" / "lumi" / "state")
+    assert cursor is not None and cursor["status"] == "done" and cursor["windows"] == 32
+    row = ledger_row(coordinator, "lumi")
+    assert row["blocks_committed"] == 4 and row["blocks_lost"] == 0
+
+
+def _site_job(tmp_path: Path, config: Path, name: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "crossfed", "site", "run", "--config", str(config)]
+    cmd += ["--site", "lumi", "--round", "1", "--out", str(tmp_path / f"{name}.json")]
+    log = open(tmp_path / f"{name}.log", "wb")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.mark.slow
+def test_a_killed_site_job_resumes_its_lease_from_the_checkpoint(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    init(coordinator, tiny_data)
+    config = site_config(tmp_path, coordinator, tiny_data, slowdown=4.0)
+    state_dir = tmp_path / "results" / "sites" / "lumi" / "state"
+    job = _site_job(tmp_path, config, "first")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        cursor = checkpoint.latest(state_dir) if (state_dir / "latest.json").exists() else None
+        if cursor is not None and cursor["status"] == "training":
+            break
+        assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.05)
+    else:
+        raise AssertionError("no mid-phase checkpoint appeared")
+    job.send_signal(signal.SIGKILL)
+    job.wait(timeout=30)
+    killed_at = checkpoint.latest(state_dir)
+    assert killed_at is not None and 0 < killed_at["windows"] < 32
+
+    again = _site_job(tmp_path, config, "second")
+    assert again.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    outcome = json.loads((tmp_path / "second.json").read_text())
+    assert outcome["status"] == "accepted", outcome["detail"]
+    assert outcome["lease_id"] == killed_at["lease_id"]  # the same lease, continued
+    assert outcome["extra"]["resumed_at_window"] == killed_at["windows"]
+    assert outcome["windows"] == 32 and outcome["steps"] == 4 and outcome["tokens"] == 32 * 32
+    row = ledger_row(coordinator, "lumi")
+    assert row["grants"] == 1 and row["blocks_committed"] == 4
+    assert row["blocks_lost"] == 0 and row["ttl_expiries"] == 0
+    info = coordinator.client().round_info(1)
+    assert [d["site"] for d in info["deltas"]] == ["lumi"] and info["deltas"][0]["steps"] == 4
+
+
+@pytest.mark.slow
+def test_a_torchrun_site_trains_with_two_real_ranks(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    init(coordinator, tiny_data)
+    config = site_config(tmp_path, coordinator, tiny_data)
+    data = yaml.safe_load(config.read_text())
+    data["launcher"] = {"kind": "torchrun"}
+    write_yaml(config, data)
+    job = _site_job(tmp_path, config, "torchrun")
+    assert job.wait(timeout=600) == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+    outcome = json.loads((tmp_path / "torchrun.json").read_text())
+    assert outcome["status"] == "accepted", outcome["detail"]
+    assert outcome["launcher"] == "torchrun" and outcome["windows"] == 32
+    assert outcome["blocks_committed"] == 4
+    cursor = checkpoint.latest(tmp_path / "results" / "sites" / "lumi" / "state")
+    assert cursor is not None and cursor["world"] == 2
+    assert ledger_row(coordinator, "lumi")["blocks_committed"] == 4

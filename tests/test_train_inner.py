@@ -1,0 +1,197 @@
+"""The inner phase: a lease is sharded over W ranks x A accumulation x B windows exactly once;
+simulated ranks train the same step as one big batch; a steal stops the phase at its limit;
+a phase resumed from its checkpoint ends where the uninterrupted one does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossfed.darl.blockspace import BlockSpace
+from crossfed.train import checkpoint
+from crossfed.train.distributed import Ranks
+from crossfed.train.inner import (
+    InnerConfig,
+    InnerConfigError,
+    LeaseWindows,
+    PhaseState,
+    Trainer,
+    make_optimizer,
+    plan_step,
+    plan_steps,
+    rank_shares,
+    run_inner_phase,
+)
+from crossfed.train.model import build_model, parameters_of
+from crossfed.train.schedule import LRSchedule
+from crossfed.train.standalone import RecordingReader
+from crossfed.train.windows import WindowStore
+
+SCHEDULE = LRSchedule(peak_lr=2e-3, warmup_steps=2, total_steps=50)
+
+
+@given(
+    ranks=st.integers(1, 4),
+    accumulation=st.integers(1, 4),
+    micro=st.integers(1, 5),
+    total=st.integers(0, 120),
+    start_frac=st.floats(0, 1),
+)
+@settings(max_examples=200, deadline=None)
+def test_steps_cover_every_leased_position_exactly_once(
+    ranks: int, accumulation: int, micro: int, total: int, start_frac: float
+) -> None:
+    config = InnerConfig(micro_batch=micro, ranks=ranks, accumulation=accumulation)
+    per_step = config.windows_per_step
+    start = min(total, int(start_frac * total) // per_step * per_step)  # a step boundary
+    plans = list(plan_steps(total, config, start=start))
+    seen = [p for plan in plans for rank in plan.micro for lo, hi in rank for p in range(lo, hi)]
+    assert sorted(seen) == list(range(start, total))  # none twice, none skipped
+    for plan in plans[:-1]:
+        assert plan.n == per_step
+    for plan in plans:
+        assert len(plan.micro) == ranks
+        for rank in plan.micro:
+            assert len(rank) <= accumulation
+            assert all(0 < hi - lo <= micro for lo, hi in rank)
+        sizes = [sum(hi - lo for lo, hi in rank) for rank in plan.micro]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_rank_shares_and_step_limits() -> None:
+    assert rank_shares(7, 2) == [(0, 4), (4, 7)]
+    assert rank_shares(1, 3) == [(0, 1), (1, 1), (1, 1)]
+    plan = plan_step(16, 3, InnerConfig(micro_batch=2, ranks=2, accumulation=2))
+    assert plan.micro == (((16, 18),), ((18, 19),)) and plan.passes == 1
+    with pytest.raises(InnerConfigError, match="1..8 windows"):
+        plan_step(0, 9, InnerConfig(micro_batch=2, ranks=2, accumulation=2))
+    with pytest.raises(InnerConfigError, match="accumulation"):
+        InnerConfig(accumulation=0)
+
+
+def test_lease_positions_map_to_dataset_windows_in_lease_order() -> None:
+    lease = LeaseWindows.of([(40, 48), (8, 16), (100, 104)])
+    assert len(lease) == 20
+    assert lease.spans(6, 11) == [(46, 48), (8, 11)]
+    assert lease.spans(14, 20) == [(14, 16), (100, 104)]
+    assert lease.indices(0, 20) == [*range(40, 48), *range(8, 16), *range(100, 104)]
+
+
+def _model(vocab: int, seed: int = 0) -> torch.nn.Module:
+    return build_model("tiny", vocab_size=vocab, seed=seed)
+
+
+def _phase(store: WindowStore, lease: LeaseWindows, config: InnerConfig, **kwargs):
+    torch.manual_seed(0)
+    model = _model(store.vocab_size)
+    trainer = Trainer(model, make_optimizer(model, config, lr=0.0), config)
+    reader = RecordingReader(store.windows)
+    state = run_inner_phase(trainer, reader, lease, schedule=SCHEDULE, global_step=0, **kwargs)
+    return model, trainer, state, reader
+
+
+def test_simulated_ranks_train_the_same_steps_as_one_big_batch(tiny_data: Path) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    lease = LeaseWindows.of([(0, 9), (40, 47)])  # 16 windows: two steps of 8
+    ranked = InnerConfig(micro_batch=2, ranks=2, accumulation=2)
+    single = InnerConfig(micro_batch=8, ranks=1, accumulation=1)
+    m1, _, s1, r1 = _phase(store, lease, ranked)
+    m2, _, s2, r2 = _phase(store, lease, single)
+    assert s1.steps == s2.steps == 2 and s1.windows == 16 and s1.tokens == 16 * store.seq_len
+    assert s1.losses == pytest.approx(s2.losses, rel=1e-5)
+    for name, p in parameters_of(m1).items():
+        assert torch.allclose(p, parameters_of(m2)[name], atol=1e-5), name
+    assert sorted(r1.seen) == sorted(r2.seen) == lease.indices(0, 16)
+
+
+def test_a_steal_stops_the_phase_exactly_at_the_new_limit(tiny_data: Path) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    lease = LeaseWindows.of([(0, 24)])
+    config = InnerConfig(micro_batch=4, ranks=1, accumulation=2)
+    _, _, state, reader = _phase(store, lease, config, window_limit=lambda: 13)
+    assert state.windows == 13 and state.steps == 2 and state.stopped_early
+    assert reader.seen == list(range(13))
+
+
+def test_a_phase_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    lease = LeaseWindows.of([(200, 212), (8, 20)])  # 24 windows, 3 steps of 8
+    config = InnerConfig(micro_batch=4, ranks=2, accumulation=1)
+    whole, _, done, _ = _phase(store, lease, config)
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(state: PhaseState) -> None:
+        cursor = {"round": 1, "status": "training", **state.to_dict()}
+        checkpoint.save(tmp_path, trainer.model, trainer.optimizer, cursor, Ranks())
+        raise Killed
+
+    torch.manual_seed(0)
+    model = _model(store.vocab_size)
+    trainer = Trainer(model, make_optimizer(model, config, lr=0.0), config)
+    with pytest.raises(Killed):
+        run_inner_phase(
+            trainer,
+            store.windows,
+            lease,
+            schedule=SCHEDULE,
+            global_step=0,
+            checkpoint=save_then_die,
+            checkpoint_every=1,
+        )
+    cursor = checkpoint.latest(tmp_path)
+    assert cursor is not None and cursor["windows"] == 8 and cursor["steps"] == 1
+
+    fresh = _model(store.vocab_size, seed=5)  # other weights: all must come from the checkpoint
+    trainer = Trainer(fresh, make_optimizer(fresh, config, lr=0.0), config)
+    checkpoint.load(cursor, fresh, trainer.optimizer, weights=True)
+    reader = RecordingReader(store.windows)
+    state = run_inner_phase(
+        trainer,
+        reader,
+        lease,
+        schedule=SCHEDULE,
+        global_step=0,
+        state=PhaseState.from_dict(cursor),
+    )
+    assert reader.seen == lease.indices(8, 24)  # no window retrained, none skipped
+    assert state.steps == done.steps and state.windows == done.windows
+    assert state.losses == pytest.approx(done.losses, rel=1e-5)
+    for name, p in parameters_of(fresh).items():
+        assert torch.allclose(p, parameters_of(whole)[name], atol=1e-6), name
+
+
+def test_checkpoint_pointer_names_only_complete_checkpoints(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    model = _model(store.vocab_size)
+    optimizer = make_optimizer(model, InnerConfig(), lr=1e-3)
+    assert checkpoint.latest(tmp_path) is None
+    cursor = {"round": 2, "status": "training", "steps": 3, "windows": 24}
+    checkpoint.save(tmp_path, model, optimizer, cursor, Ranks())
+    (tmp_path / "ckpt-r00002-s000004-training").mkdir()  # a torn attempt of a killed job
+    latest = checkpoint.latest(tmp_path)
+    assert latest is not None and latest["steps"] == 3 and latest["world"] == 1
+    checkpoint.save(tmp_path, model, optimizer, {**cursor, "status": "done"}, Ranks())
+    assert [p.name for p in tmp_path.glob("ckpt-*")] == ["ckpt-r00002-s000003-done"]
+    (tmp_path / checkpoint.POINTER).write_text("{not json")
+    with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
+        checkpoint.latest(tmp_path)
+
+
+def test_the_held_out_split_is_outside_the_leasable_block_space(tiny_data: Path) -> None:
+    train, val = WindowStore.open(tiny_data, "train"), WindowStore.open(tiny_data, "val")
+    space = BlockSpace(train.n_windows, 8, 7)
+    last = max(space.block_windows(b).stop for b in range(space.n_blocks))
+    assert last == train.n_windows and train.path != val.path
+    first_val = val.windows(0, 1)[0]
+    assert not np.any(np.all(train.windows(train.n_windows - 4, train.n_windows) == first_val, 1))
