@@ -235,6 +235,38 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a global model in the Hugging Face layout (safetensors + config.json)."""
+    from safetensors.torch import load_file
+
+    from crossfed.train.export import export_hf
+    from crossfed.train.windows import read_meta
+
+    config = _config(args)
+    model = Path(args.model) if args.model else None
+    if model is None:
+        found = sorted(
+            Path(config["results"]).glob("checkpoints/global-*.safetensors"),
+            key=lambda p: int(p.stem.rsplit("-", 1)[1]),
+        )
+        if not found:
+            raise ConfigError(f"no global model under {config['results']}/checkpoints; use --model")
+        model = found[-1]
+    if not model.exists():
+        raise ConfigError(f"model file not found: {model}")
+    data = Path(config["data"]["dir"])
+    out = export_hf(
+        load_file(str(model)),
+        config["model"]["flavour"],
+        int(read_meta(data)["vocab_size"]),
+        Path(args.out),
+        dtype=args.dtype,
+        tokenizer=data / "tokenizer.json",
+    )
+    print(f"exported {model} as a Hugging Face Qwen3 model to {out}")
+    return 0
+
+
 # ---------------------------------------------------------------------- reading
 def cmd_ledger(args: argparse.Namespace) -> int:
     import pandas as pd
@@ -362,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--threads", type=int, default=1)
     ckpt.add_argument("--out")
     ckpt.set_defaults(func=cmd_checkpoint)
+
+    export = sub.add_parser("export", help="a global model in Hugging Face format")
+    _add_config(export)
+    export.add_argument("--model", help="global model safetensors (default: the newest checkpoint)")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    export.set_defaults(func=cmd_export)
 
     ledger = sub.add_parser("ledger", help="the DARL ledger (paper Table 3)")
     _add_config(ledger)
