@@ -20,7 +20,15 @@ rule plan:
     params:
         done=lambda wildcards: int(wildcards.round) - 1,
         tokens_per_unit=tokens_per_round(),
+        job_log=lambda wildcards: f"{RESULTS}/rounds/{wildcards.round}/job_log.csv",
     shell:
-        "{CROSSFED} --log {log} plan --sites {config[sites_file]} --probes {input.probe}"
+        # measured rounds -> the planner's job log; the plan's accumulation then fills the
+        # barrier from measured step times (crossfed.train.barrier, paper Fig. 2a)
+        "python -m crossfed.train.barrier job-log --results {RESULTS} --before {wildcards.round}"
+        " --sites {config[sites_file]} --out {params.job_log} > {log} 2>&1"
+        " && {CROSSFED} --log {log} plan --sites {config[sites_file]} --probes {input.probe}"
         " --target-units {config[rounds]} --units-per-round 1 --round {params.done}"
-        " --tokens-per-unit {params.tokens_per_unit} --out {output.plan}"
+        " --tokens-per-unit {params.tokens_per_unit} --job-log {params.job_log}"
+        " --out {output.plan}"
+        " && python -m crossfed.train.barrier fill --plan {output.plan}"
+        " --job-log {params.job_log} --sites {config[sites_file]} >> {log} 2>&1"
