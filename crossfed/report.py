@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from crossfed.darl.ledger import TABLE3_COLUMNS  # noqa: E402
+from crossfed.train.barrier import idle_shares  # noqa: E402
 
 LEDGER_COLUMNS = [
     "site",
@@ -53,12 +54,19 @@ def site_table(results: Path) -> pd.DataFrame:
         "checkpoint_s",
         "tokens_per_s",
         "step_s",
+        "mfu",
+        "accumulation",
+        "ranks",
+        "micro_batch",
+        "idle_s",
+        "idle_share",
         "blocks_leased",
         "blocks_committed",
         "transport",
         "rtt_ms",
         "detail",
     ]
+    frame = idle_shares(frame)  # time each site waited at the round barrier (paper Fig. 2a)
     return frame[[c for c in keep if c in frame]].sort_values(["round", "site"])
 
 

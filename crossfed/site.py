@@ -327,16 +327,22 @@ class SiteRunner:
     def _resumable(
         self, round_no: int, generation: int, joined: dict
     ) -> tuple[dict | None, dict | None]:
-        """A mid-phase checkpoint this job can continue: same round and generation, and the
-        lease it trained is still alive (a heartbeat confirms it). Otherwise the checkpoint's
-        weights and cursor are dropped (its blocks return to the pool on the lease's TTL)."""
+        """A checkpoint this job can continue: same round and generation, and the lease it
+        trained is still alive (a heartbeat confirms it). A "done" one (killed between the
+        end-of-phase checkpoint and the delta) trains nothing more and goes on to the delta.
+        Otherwise the checkpoint's weights and cursor are dropped (its blocks return to the
+        pool on the lease's TTL)."""
         cursor = checkpoint.latest(self.state_dir)
-        if cursor is None or cursor.get("status") != "training":
+        if cursor is None or cursor.get("status") not in ("training", "done"):
             return None, None
         if cursor["round"] != round_no or cursor["generation"] != generation:
-            log.info(
-                "[%s] dropping the mid-phase checkpoint of round %d", self.s.site, cursor["round"]
-            )
+            if cursor["status"] == "training":
+                log.info(
+                    "[%s] dropping the mid-phase checkpoint of round %d (now round %d)",
+                    self.s.site,
+                    cursor["round"],
+                    round_no,
+                )
             return None, None
         live = [
             lease

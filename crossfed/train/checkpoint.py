@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,9 @@ def save(
             shutil.rmtree(path)
     barrier(ranks)
     state = {"model": _model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():  # one process: DCP says it assumes so on every call
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(path))
     barrier(ranks)
     if ranks.main:
         _write_json_atomic(path / CURSOR, {**cursor, "world": ranks.world})
@@ -109,7 +112,9 @@ def load(
     if weights:
         state["model"] = _model_state(model)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
     except Exception as exc:  # DCP raises several kinds for missing/mismatched entries
         raise CheckpointError(f"{path}: cannot load into this model: {exc}") from exc
     set_optimizer_state_dict(model, optimizer, state["optim"])
