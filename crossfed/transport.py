@@ -1,23 +1,113 @@
-"""Weights on the wire: bf16 safetensors files, written atomically and content-addressed."""
+"""Weights on the wire: bf16 safetensors files, streamed tensor by tensor and digested as written.
+
+A file is written once, in the safetensors layout (8-byte header length, JSON header, raw
+little-endian tensor bytes), one tensor at a time: the writer never holds a second copy of
+the model, and the digest that names the file on the wire is computed from the same bytes
+as they go to disk. Files appear atomically (temp file, fsync, rename, fsync of the folder).
+
+Digests name their algorithm: ``"blake3:<64 hex>"`` (the default: several times faster than
+SHA-256 on one core) or ``"sha256:<64 hex>"``.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-from collections.abc import Mapping
+import re
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
+import blake3
 import torch
-from safetensors.torch import save_file
 
 #: default inline/blob threshold: the paper's 2 GiB message cap
 INLINE_MAX_BYTES = 2 * 1024**3
-CHUNK = 1 << 20
+#: bytes per read/write/hash call when streaming files
+CHUNK = 4 << 20
+#: bytes per upload request or download range: one short HTTP request's worth
+PART_BYTES = 64 << 20
+#: digest algorithm for new files
+DEFAULT_ALGO = "blake3"
+ALGOS = ("blake3", "sha256")
+
+_DIGEST = re.compile(r"^(blake3|sha256):([0-9a-f]{64})$")
+_BARE_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+#: torch dtype -> safetensors dtype name
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
-def to_bf16(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous bf16 copies for the wire (fp32 stays on the coordinator)."""
-    return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in tensors.items()}
+class DigestError(ValueError):
+    """A digest string that is not ``<algorithm>:<64 lowercase hex>``."""
+
+
+class Hasher(Protocol):
+    def update(self, data: Any, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algo: str) -> Hasher:
+    """A fresh hasher for ``algo`` (``blake3`` or ``sha256``)."""
+    if algo == "blake3":
+        return blake3.blake3()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise DigestError(f"unknown digest algorithm {algo!r}; expected one of {', '.join(ALGOS)}")
+
+
+def parse_digest(text: str) -> tuple[str, str]:
+    """``"blake3:<hex>"`` -> ``("blake3", hex)``; a bare 64-hex string is a legacy SHA-256."""
+    if not isinstance(text, str):
+        raise DigestError(f"a digest is a string, not {type(text).__name__}")
+    if _BARE_HEX.match(text):
+        return "sha256", text
+    match = _DIGEST.match(text)
+    if match is None:
+        raise DigestError(
+            f"digest must be 'blake3:<64 lowercase hex>' or 'sha256:<64 lowercase hex>', "
+            f"got {text[:80]!r}"
+        )
+    return match.group(1), match.group(2)
+
+
+def canonical_digest(text: str) -> str:
+    """The ``algo:hex`` spelling of a digest (legacy bare hex becomes ``sha256:hex``)."""
+    algo, hexdigest = parse_digest(text)
+    return f"{algo}:{hexdigest}"
+
+
+def digest_file(path: Path, algo: str = DEFAULT_ALGO) -> str:
+    """``algo:hex`` digest of a file, read in large chunks."""
+    hasher = new_hasher(algo)
+    with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(CHUNK)
+        view = memoryview(buffer)
+        while n := handle.readinto(buffer):
+            hasher.update(view[:n])
+    return f"{algo}:{hasher.hexdigest()}"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file (no algorithm prefix)."""
+    return parse_digest(digest_file(path, "sha256"))[1]
 
 
 def fsync_dir(path: Path) -> None:
@@ -29,27 +119,139 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# --------------------------------------------------------------------------- safetensors
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor in a file, known before its bytes exist."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
+        return cls(name, dtype or tensor.dtype, tuple(tensor.shape))
+
+
+def safetensors_header(
+    specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """Length prefix plus JSON header for tensors stored back to back in ``specs`` order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor {spec.name!r}: dtype {spec.dtype} has no safetensors name")
+        if spec.name in header:
+            raise ValueError(f"tensor name {spec.name!r} appears twice")
+        size = spec.nbytes
+        header[spec.name] = {
+            "dtype": DTYPE_NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # tensor data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (it must be contiguous and on the CPU)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def save_stream(
+    path: Path,
+    specs: Sequence[TensorSpec],
+    produce: Callable[[TensorSpec], torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    algo: str | None = DEFAULT_ALGO,
+) -> str:
+    """Write a safetensors file atomically, asking ``produce`` for one tensor at a time.
+
+    Each produced tensor must match its spec (dtype and shape); it is written and dropped
+    before the next is made. Returns the file's ``algo:hex`` digest ("" when ``algo`` is None).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    hasher = new_hasher(algo) if algo else None
+    try:
+        with open(tmp, "wb", buffering=0) as handle:
+
+            def put(data: bytes | memoryview) -> None:
+                if hasher is not None:
+                    hasher.update(data)
+                view = memoryview(data)
+                while view:
+                    view = view[handle.write(view) :]
+
+            put(safetensors_header(specs, metadata))
+            for spec in specs:
+                tensor = produce(spec)
+                if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+                    raise ValueError(
+                        f"tensor {spec.name!r} is {tensor.dtype} {tuple(tensor.shape)}; "
+                        f"its header says {spec.dtype} {spec.shape}"
+                    )
+                tensor = tensor.detach().to("cpu").contiguous()
+                data = _raw_bytes(tensor)
+                for lo in range(0, len(data), CHUNK):
+                    put(data[lo : lo + CHUNK])
+                del tensor, data
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return f"{algo}:{hasher.hexdigest()}" if hasher is not None else ""
+
+
+def save_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: Path,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    algo: str | None = DEFAULT_ALGO,
+) -> str:
+    """Write ``tensors`` (cast to ``dtype`` one at a time, if given); returns the digest."""
+    specs = [TensorSpec.of(name, t, dtype) for name, t in tensors.items()]
+    return save_stream(
+        path, specs, lambda spec: tensors[spec.name].to(spec.dtype), metadata, algo=algo
+    )
+
+
 def save_atomic(
     tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None
 ) -> Path:
     """Write a safetensors file via temp file, fsync and rename: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(dict(tensors), str(tmp), metadata=dict(metadata or {}))
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    save_tensors(tensors, path, metadata, algo=None)
     return path
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+# --------------------------------------------------------------------------- deltas
+def to_bf16(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous bf16 copies for the wire (fp32 stays on the coordinator)."""
+    return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in tensors.items()}
+
+
+def delta_tensor(site: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """One tensor's delta ``site - reference``, computed in fp32."""
+    return site.detach().float() - reference.detach().float()
 
 
 def delta_of(
@@ -57,6 +259,51 @@ def delta_of(
 ) -> dict[str, torch.Tensor]:
     """Delta = site model - global model, computed in fp32 and sent as bf16."""
     return {
-        name: (site_params[name].detach().float() - global_params[name].float()).to(torch.bfloat16)
+        name: delta_tensor(site_params[name], global_params[name]).to(torch.bfloat16)
         for name in global_params
     }
+
+
+def save_delta(
+    site_params: Mapping[str, torch.Tensor],
+    global_params: Mapping[str, torch.Tensor],
+    path: Path,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    codec: str = "none",
+) -> str:
+    """Write the delta tensor by tensor (bf16, or ``codec``-compressed); returns its digest.
+
+    Only one tensor's fp32 delta exists at a time, so a site never holds a second model.
+    """
+    from crossfed import compress  # compress imports this module
+
+    encoder = compress.encoder(codec)
+    specs: list[TensorSpec] = []
+    for name, ref in global_params.items():
+        specs.extend(encoder.specs(name, tuple(ref.shape)))
+    meta = {**dict(metadata or {}), **encoder.metadata()}
+    current: dict[str, torch.Tensor] = {}
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        base = encoder.base_name(spec.name)
+        if base not in current:
+            current.clear()  # the previous tensor's parts are written: drop them
+            delta = delta_tensor(site_params[base], global_params[base])
+            current.update(encoder.encode(base, delta))
+        return current.pop(spec.name)
+
+    return save_stream(path, specs, produce, meta)
+
+
+def iter_chunks(path: Path, start: int = 0, end: int | None = None) -> Iterable[bytes]:
+    """The bytes of ``path`` in ``[start, end)``, in ``CHUNK``-sized pieces."""
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(start)
+        left = (os.fstat(handle.fileno()).st_size if end is None else end) - start
+        while left > 0:
+            chunk = handle.read(min(CHUNK, left))
+            if not chunk:
+                return
+            left -= len(chunk)
+            yield chunk

@@ -8,17 +8,19 @@ import asyncio
 import hmac
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from crossfed.coordinator.blobs import BlobError
+from crossfed.coordinator.blobs import BlobError, check_key
+from crossfed.coordinator.ranged import RangedFile
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
 from crossfed.coordinator.service import Coordinator, CoordinatorError
 
@@ -78,7 +80,7 @@ class DeltaBody(BaseModel):
     tokens: int = Field(ge=1)
     steps: int = Field(ge=1)
     consumed: int = Field(ge=1)
-    blob: str = Field(min_length=64, max_length=64)
+    blob: str = Field(min_length=64, max_length=80)  # "blake3:<hex>", "sha256:<hex>"
     loss: float | None = None
     compute_s: float | None = Field(default=None, ge=0)
 
@@ -89,8 +91,13 @@ def create_app(
     *,
     tick_s: float = 0.25,
     max_blob_bytes: int = 8 * 1024**3,
+    max_request_s: float = 120.0,
 ) -> FastAPI:
-    """The ASGI app; a background thread ticks the coordinator (lease expiry, round close)."""
+    """The ASGI app; a background thread ticks the coordinator (lease expiry, round close).
+
+    Weight transfers stop after ``max_request_s`` (an upload answers 408 with the offset to
+    resume at, a download is cut short); clients move weights in parts well below that.
+    """
     stop = threading.Event()
 
     def ticker() -> None:
@@ -119,7 +126,7 @@ def create_app(
     @app.exception_handler(BlobError)
     async def _blob_error(_: Request, exc: BlobError) -> JSONResponse:
         return JSONResponse(
-            status_code=exc.status, content={"error": "bad_blob", "detail": str(exc)}
+            status_code=exc.status, content={"error": exc.code, "detail": str(exc), **exc.extra}
         )
 
     @app.exception_handler(RunSpecError)
@@ -172,13 +179,10 @@ def create_app(
         return await run(coordinator.register, site, body.digest, body.ranks, body.rtt_ms)
 
     @app.get("/v1/models/{generation}")
-    async def model(generation: int, who: Caller) -> FileResponse:
-        path = await run(coordinator.global_path, generation)
-        return FileResponse(
-            path,
-            media_type="application/octet-stream",
-            headers={"X-Content-SHA256": coordinator.global_sha256(generation)},
-        )
+    async def model(generation: int, who: Caller) -> RangedFile:
+        """Global bf16 weights; ``Range`` requests fetch them in parts (``X-Content-Digest``)."""
+        path, digest = await run(coordinator.global_file, generation)
+        return RangedFile(path, digest, max_request_s)
 
     @app.get("/v1/rounds/{round_no}")
     async def round_info(round_no: int, who: Caller) -> dict[str, Any]:
@@ -206,14 +210,31 @@ def create_app(
         key: str,
         request: Request,
         who: Caller,
-        content_length: Annotated[int | None, Header()] = None,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        total: Annotated[int | None, Query(ge=0)] = None,
     ) -> dict[str, Any]:
-        if content_length is not None and content_length > max_blob_bytes:
-            raise BlobError(
-                f"blob of {content_length} bytes exceeds the {max_blob_bytes}-byte limit", 413
-            )
-        size = await coordinator.blobs.write_stream(key, request.stream(), max_blob_bytes)
-        return {"key": key, "bytes": size}
+        """Upload a blob (key = its digest) whole, or in parts at ``offset`` of ``total``."""
+        return await coordinator.blobs.write_part(
+            key,
+            request.stream(),
+            offset=offset,
+            total=total,
+            max_bytes=max_blob_bytes,
+            deadline=time.monotonic() + max_request_s,
+        )
+
+    @app.get("/v1/blobs/{key}/state")
+    async def blob_state(key: str, who: Caller) -> dict[str, Any]:
+        """Whether a blob is complete, and the offset its upload resumes at."""
+        return coordinator.blobs.upload_state(key)
+
+    @app.get("/v1/blobs/{key}")
+    async def get_blob(key: str, who: Caller) -> RangedFile:
+        """A complete blob's bytes (``Range`` requests fetch it in parts)."""
+        key = check_key(key)
+        if not coordinator.blobs.exists(key):
+            raise CoordinatorError(404, "unknown_blob", f"no blob {key}")
+        return RangedFile(coordinator.blobs.path(key), key, max_request_s)
 
     @app.post("/v1/rounds/{round_no}/deltas")
     async def submit(round_no: int, body: DeltaBody, who: Caller) -> dict[str, Any]:
@@ -233,15 +254,26 @@ def create_app(
         consumed: int,
         loss: float | None = None,
         compute_s: float | None = None,
+        x_content_digest: Annotated[str | None, Header()] = None,
         x_content_sha256: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
-        """The delta's bytes inside the round message itself (the paper's inline transport)."""
+        """The delta's bytes inside the round message itself (the paper's inline transport).
+
+        ``X-Content-Digest`` (``blake3:<hex>`` or ``sha256:<hex>``; the legacy
+        ``X-Content-SHA256`` is a bare SHA-256) names the bytes; they are verified and kept
+        like a blob. Past ``max_request_s`` the answer is 408 with the offset reached, from
+        which the client may finish the upload as a blob.
+        """
         as_site(who, site)
-        if not x_content_sha256:
+        digest = x_content_digest or x_content_sha256
+        if not digest:
             raise CoordinatorError(
-                422, "missing_digest", "inline deltas need an X-Content-SHA256 header"
+                422, "missing_digest", "inline deltas need an X-Content-Digest header"
             )
-        await coordinator.blobs.write_stream(x_content_sha256, request.stream(), max_blob_bytes)
+        digest = check_key(digest)
+        await coordinator.blobs.write_stream(
+            digest, request.stream(), max_blob_bytes, time.monotonic() + max_request_s
+        )
         body = DeltaBody(
             site=site,
             lease_id=lease_id,
@@ -249,7 +281,7 @@ def create_app(
             tokens=tokens,
             steps=steps,
             consumed=consumed,
-            blob=x_content_sha256,
+            blob=digest,
             loss=loss,
             compute_s=compute_s,
         )

@@ -1,80 +1,335 @@
-"""Content-addressed blob store on disk: PUT streams in, hash checked, renamed into place."""
+"""Content-addressed blob store on disk: uploads stream in (in parts), digest checked, renamed.
+
+A blob's key is its digest, ``blake3:<hex>`` or ``sha256:<hex>`` (a bare 64-hex key is a
+legacy SHA-256); nothing else is accepted, so a key can never name a path. A blob lives at
+``root/<algo>/<hex[:2]>/<hex>``.
+
+An upload may come in several short requests (``offset`` and ``total``): bytes are appended
+to ``root/.uploads/<algo>-<hex>.part`` while being hashed, every part is fsynced before it
+is acknowledged, and the last part is checked against the key and renamed into place. A
+part may be cut short (a request past its time limit, a dropped connection, a killed
+coordinator): what arrived stays, :meth:`BlobStore.upload_state` says where to resume, and
+a part resent from an older offset is refused with the offset to use. Hashing and disk
+writes run on a worker thread, overlapped with receiving the next bytes.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import os
 import re
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from crossfed.transport import fsync_dir
+from crossfed.coordinator.faults import crash_point
+from crossfed.transport import (
+    CHUNK,
+    DigestError,
+    Hasher,
+    canonical_digest,
+    fsync_dir,
+    new_hasher,
+    parse_digest,
+)
 
-_KEY = re.compile(r"^[0-9a-f]{64}$")
+#: bytes handed to the worker thread at once
+BATCH = 8 << 20
+_PART_NAME = re.compile(r"^(blake3|sha256)-([0-9a-f]{64})\.part$")
 
 
 class BlobError(ValueError):
     """A bad key, a digest mismatch or an oversized body; ``status`` is the HTTP code."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(
+        self, message: str, status: int = 400, code: str = "bad_blob", **extra: Any
+    ) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.code, self.extra = status, code, extra
 
 
 def check_key(key: str) -> str:
-    """Blob keys are lowercase hex SHA-256 digests; anything else (paths included) is refused."""
-    if not _KEY.match(key):
-        raise BlobError(f"blob key must be a 64-character lowercase hex SHA-256, got {key[:80]!r}")
-    return key
+    """The canonical ``algo:hex`` form of a blob key; anything else (paths included) is refused."""
+    try:
+        return canonical_digest(key)
+    except DigestError as exc:
+        raise BlobError(f"bad blob key: {exc}") from exc
+
+
+@dataclass
+class _Upload:
+    """An upload in progress: bytes on disk and the hash of exactly those bytes."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    hasher: Hasher | None = None
+    hashed: int = 0  # bytes the hasher has seen (== staged size when it is valid)
 
 
 class BlobStore:
-    """Blobs under ``root/ab/abcdef...``; writes are atomic and verified."""
+    """Blobs under ``root/<algo>/ab/abcdef...``; writes are atomic and verified."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, clock: Callable[[], float] = time.time) -> None:
         self.root = root
+        self.clock = clock
         self.root.mkdir(parents=True, exist_ok=True)
+        self.staging = root / ".uploads"
+        self.staging.mkdir(exist_ok=True)
+        self._uploads: dict[str, _Upload] = {}
 
+    # ------------------------------------------------------------------ naming
     def path(self, key: str) -> Path:
-        check_key(key)
-        return self.root / key[:2] / key
+        algo, hexdigest = parse_digest(check_key(key))
+        return self.root / algo / hexdigest[:2] / hexdigest
+
+    def _part_path(self, key: str) -> Path:
+        algo, hexdigest = parse_digest(check_key(key))
+        return self.staging / f"{algo}-{hexdigest}.part"
 
     def exists(self, key: str) -> bool:
         return self.path(key).exists()
 
-    async def write_stream(self, key: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
-        """Stream a body to disk while hashing; keep it only if its SHA-256 equals ``key``."""
+    def size(self, key: str) -> int:
+        return self.path(key).stat().st_size
+
+    def upload_state(self, key: str) -> dict[str, Any]:
+        """``complete`` and the ``offset`` an upload of ``key`` resumes at."""
+        key = check_key(key)
         target = self.path(key)
         if target.exists():
-            async for _ in chunks:  # drain: the client sent it anyway
-                pass
-            return target.stat().st_size
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{key}.{os.getpid()}.{id(chunks)}.part")
-        digest = hashlib.sha256()
-        size = 0
-        try:
-            with open(tmp, "wb") as handle:
-                async for chunk in chunks:
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise BlobError(f"blob exceeds the {max_bytes}-byte limit", status=413)
-                    digest.update(chunk)
-                    handle.write(chunk)
-                handle.flush()
-                os.fsync(handle.fileno())
-            actual = digest.hexdigest()
-            if actual != key:
-                raise BlobError(
-                    f"blob digest mismatch: body hashes to {actual}, key says {key} "
-                    "(truncated or corrupted upload; retry)",
-                    status=422,
-                )
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return size
+            size = target.stat().st_size
+            return {"key": key, "complete": True, "offset": size, "bytes": size}
+        part = self._part_path(key)
+        offset = part.stat().st_size if part.exists() else 0
+        return {"key": key, "complete": False, "offset": offset, "bytes": None}
 
+    # ------------------------------------------------------------------ writing
+    async def write_stream(
+        self,
+        key: str,
+        chunks: AsyncIterator[bytes],
+        max_bytes: int,
+        deadline: float | None = None,
+    ) -> int:
+        """A whole blob in one body; returns its size (see :meth:`write_part`)."""
+        state = await self.write_part(key, chunks, max_bytes=max_bytes, deadline=deadline)
+        return int(state["bytes"])
+
+    async def write_part(
+        self,
+        key: str,
+        chunks: AsyncIterator[bytes],
+        *,
+        offset: int = 0,
+        total: int | None = None,
+        max_bytes: int,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        """Append a body at ``offset`` of the upload of ``key``; finish it at ``total`` bytes.
+
+        ``total=None`` means this body is the rest of the blob. ``deadline`` (a
+        ``time.monotonic()`` value) cuts the part short: what arrived is kept and a 408
+        says where to resume. Returns :meth:`upload_state` after the part.
+        """
+        key = check_key(key)
+        if total is not None and not 0 <= total <= max_bytes:
+            raise BlobError(
+                f"blob of {total} bytes exceeds the {max_bytes}-byte limit", 413, "body_too_large"
+            )
+        if self.exists(key):
+            return self.upload_state(key)  # idempotent: the body is not needed
+        upload = self._uploads.setdefault(key, _Upload())  # kept until the blob is complete
+        async with upload.lock:
+            state = await self._write_locked(
+                key, upload, chunks, offset, total, max_bytes, deadline
+            )
+        if state["complete"] and self._uploads.get(key) is upload and not upload.lock.locked():
+            del self._uploads[key]
+        return state
+
+    async def _write_locked(
+        self,
+        key: str,
+        upload: _Upload,
+        chunks: AsyncIterator[bytes],
+        offset: int,
+        total: int | None,
+        max_bytes: int,
+        deadline: float | None,
+    ) -> dict[str, Any]:
+        if self.exists(key):  # finished by a request that held the lock before us
+            return self.upload_state(key)
+        part = self._part_path(key)
+        staged = part.stat().st_size if part.exists() else 0
+        if offset == 0 and staged:
+            part.unlink()  # a fresh start discards an old partial upload
+            staged, upload.hasher, upload.hashed = 0, None, 0
+        if offset != staged:
+            raise BlobError(
+                f"upload of {key} resumes at byte {staged}, not {offset}",
+                409,
+                "upload_offset",
+                offset=staged,
+            )
+        if upload.hasher is None or upload.hashed != staged:
+            upload.hasher = await asyncio.to_thread(_hash_prefix, part, key, staged)
+            upload.hashed = staged
+        limit = max_bytes if total is None else total
+        loop = asyncio.get_running_loop()
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        pending: asyncio.Future[None] | None = None
+        batch: list[bytes] = []
+        batched = 0
+        received = staged
+        timed_out = False
+        hasher = upload.hasher
+
+        def absorb(pieces: list[bytes]) -> None:
+            for piece in pieces:
+                view = memoryview(piece)
+                while view:
+                    view = view[os.write(fd, view) :]
+                hasher.update(piece)  # after the write: hashed bytes are always on disk
+                upload.hashed += len(piece)
+
+        try:
+            try:
+                async with asyncio.timeout_at(_loop_time(loop, deadline)):
+                    async for chunk in chunks:
+                        if not chunk:
+                            continue
+                        received += len(chunk)
+                        if received > limit:
+                            if total is None:
+                                raise BlobError(
+                                    f"blob exceeds the {max_bytes}-byte limit",
+                                    413,
+                                    "body_too_large",
+                                )
+                            raise BlobError(
+                                f"body runs past the declared total of {total} bytes", 400
+                            )
+                        batch.append(chunk)
+                        batched += len(chunk)
+                        if batched >= BATCH:
+                            if pending is not None:
+                                await pending
+                            pending = loop.run_in_executor(None, absorb, batch)
+                            batch, batched = [], 0
+            except TimeoutError:
+                timed_out = True
+            if pending is not None:
+                await pending
+                pending = None
+            if batch:
+                await loop.run_in_executor(None, absorb, batch)
+            await asyncio.to_thread(os.fsync, fd)
+        finally:
+            if pending is not None:  # cancelled: let the worker finish before closing
+                await asyncio.shield(pending)
+            os.close(fd)
+        crash_point("after_upload_part")
+        done = upload.hashed
+        if timed_out:
+            raise BlobError(
+                f"request exceeded its time limit; upload of {key} resumes at byte {done}",
+                408,
+                "request_timeout",
+                offset=done,
+            )
+        if total is not None and done < total:
+            return {"key": key, "complete": False, "offset": done, "bytes": None}
+        actual = hasher.hexdigest()
+        algo, expected = parse_digest(key)
+        upload.hasher, upload.hashed = None, 0
+        if actual != expected:
+            part.unlink(missing_ok=True)
+            raise BlobError(
+                f"blob digest mismatch: body hashes to {algo}:{actual}, key says {key} "
+                "(truncated or corrupted upload; retry)",
+                422,
+                "digest_mismatch",
+                offset=0,
+            )
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(part, target)
+        fsync_dir(target.parent)
+        return {"key": key, "complete": True, "offset": done, "bytes": done}
+
+    # ------------------------------------------------------------------ retention
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
+
+    def keys(self) -> list[str]:
+        """Every complete blob's key."""
+        found = []
+        for algo in ("blake3", "sha256"):
+            base = self.root / algo
+            if base.is_dir():
+                found += [f"{algo}:{p.name}" for p in base.glob("??/*") if _is_hex(p.name)]
+        return found
+
+    def prune(self, drop: Iterable[str], keep: Iterable[str], grace_s: float) -> list[str]:
+        """Delete blobs in ``drop``, and blobs or partial uploads in neither set whose last
+        write is older than ``grace_s`` (uploaded but never submitted). Returns the keys
+        deleted."""
+        drop_set = {check_key(k) for k in drop}
+        keep_set = {check_key(k) for k in keep} - drop_set
+        cutoff = self.clock() - grace_s
+        deleted = []
+        for key in self.keys():
+            if key in keep_set:
+                continue
+            path = self.path(key)
+            if key in drop_set or _mtime(path) < cutoff:
+                path.unlink(missing_ok=True)
+                deleted.append(key)
+        for part in self.staging.iterdir():
+            match = _PART_NAME.match(part.name)
+            if match is None:
+                continue
+            key = f"{match.group(1)}:{match.group(2)}"
+            upload = self._uploads.get(key)
+            if key in keep_set or (upload is not None and upload.lock.locked()):
+                continue  # in progress right now
+            if key in drop_set or _mtime(part) < cutoff:
+                part.unlink(missing_ok=True)
+                self._uploads.pop(key, None)
+                deleted.append(key)
+        return deleted
+
+
+def _is_hex(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def _loop_time(loop: asyncio.AbstractEventLoop, deadline: float | None) -> float | None:
+    """A ``time.monotonic()`` deadline on the event loop's clock."""
+    if deadline is None:
+        return None
+    return loop.time() + (deadline - time.monotonic())
+
+
+def _hash_prefix(part: Path, key: str, size: int) -> Hasher:
+    """The hasher state after the first ``size`` staged bytes (a resumed upload)."""
+    algo, _ = parse_digest(key)
+    hasher = new_hasher(algo)
+    if size:
+        with open(part, "rb", buffering=0) as handle:
+            left = size
+            while left > 0:
+                chunk = handle.read(min(CHUNK, left))
+                if not chunk:
+                    break
+                hasher.update(chunk)
+                left -= len(chunk)
+    return hasher

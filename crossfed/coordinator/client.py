@@ -1,20 +1,46 @@
-"""HTTP client for the coordinator: short requests, retries with backoff, streamed weights."""
+"""HTTP client for the coordinator: short requests, retries with backoff, streamed weights.
+
+Weights move in parts: an upload is a series of PUTs of at most ``part_bytes`` each and a
+download a series of ``Range`` GETs, so no request outlives a proxy's patience; a part cut
+short (time limit, dropped connection, restarted coordinator) resumes from the bytes that
+arrived. Every file is checked against its digest (``blake3:`` or ``sha256:``) end to end.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from crossfed.transport import CHUNK, fsync_dir, sha256_file
+from crossfed.transport import (
+    PART_BYTES,
+    DigestError,
+    Hasher,
+    canonical_digest,
+    digest_file,
+    fsync_dir,
+    iter_chunks,
+    new_hasher,
+    parse_digest,
+)
 
+log = logging.getLogger("crossfed.client")
 RETRY_STATUS = {502, 503, 504}
+#: refusals of one part that a resync (asking the coordinator where to resume) fixes
+RESYNC_STATUS = {408, 409}
+#: an inline delta refused for these goes as a blob instead
+INLINE_FALLBACK_STATUS = {408, 413}
+#: fresh uploads after a digest mismatch before giving up
+MISMATCH_RETRIES = 3
+#: downloaded bytes handed to the writer thread at once
+SINK_BATCH = 8 << 20
 
 
 class Refused(Exception):
@@ -40,10 +66,14 @@ class CoordinatorClient:
         timeout_s: float = 30.0,
         retry_budget_s: float = 120.0,
         sleep: Callable[[float], None] = time.sleep,
+        part_bytes: int = PART_BYTES,
     ) -> None:
+        if part_bytes < 1:
+            raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
         self.url = url.rstrip("/")
         self.retry_budget_s = retry_budget_s
         self.sleep = sleep
+        self.part_bytes = part_bytes
         self.http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},
@@ -134,77 +164,254 @@ class CoordinatorClient:
     def round_info(self, round_no: int) -> dict[str, Any]:
         return self.get(f"/v1/rounds/{round_no}")
 
+    # --- weights
     def download_model(self, generation: int, dest: Path) -> Path:
-        """Stream generation ``generation`` to ``dest`` (atomic), checking its SHA-256."""
+        """Fetch generation ``generation`` to ``dest`` (atomic, digest-checked, in ranges)."""
+        return self._download(f"/v1/models/{generation}", dest, f"generation {generation}")
+
+    def download_blob(self, key: str, dest: Path) -> Path:
+        """Fetch blob ``key`` to ``dest``; its bytes must hash to ``key``."""
+        key = _key(key)
+        return self._download(f"/v1/blobs/{key}", dest, f"blob {key}", expected=key)
+
+    def blob_state(self, key: str) -> dict[str, Any]:
+        """Whether blob ``key`` is complete and the ``offset`` its upload resumes at."""
+        return self.get(f"/v1/blobs/{_key(key)}/state")
+
+    def upload_blob(self, path: Path, key: str | None = None) -> str:
+        """PUT a file into the blob store in parts; resumable, idempotent, retried.
+
+        ``key`` is the file's digest if already known (the writer computed it); otherwise
+        it is computed here (BLAKE3).
+        """
+        key = _key(key) if key is not None else digest_file(path)
+        size = path.stat().st_size
+        mismatches = 0
+        state = self.blob_state(key)
+        progress = _Progress(self.retry_budget_s)
+        while not state["complete"]:
+            offset = int(state["offset"])
+            end = min(size, offset + self.part_bytes)
+            if offset > size:
+                offset, end = 0, min(size, self.part_bytes)
+            try:
+                response = self.http.put(
+                    f"/v1/blobs/{key}",
+                    params={"offset": offset, "total": size},
+                    content=iter_chunks(path, offset, end),
+                    headers={"Content-Length": str(end - offset)},
+                )
+            except httpx.TransportError as exc:
+                error: Exception = exc
+            else:
+                if response.status_code < 400:
+                    state = response.json()
+                    progress.advanced()
+                    continue
+                error = _refusal(response)
+                if response.status_code == 422 and error.code == "digest_mismatch":
+                    mismatches += 1
+                    if mismatches > MISMATCH_RETRIES:
+                        raise IntegrityError(
+                            f"{path}: the coordinator hashed it differently {mismatches} times "
+                            f"(key {key}); is the file changing while it is sent?"
+                        ) from error
+                elif response.status_code not in RESYNC_STATUS | RETRY_STATUS:
+                    raise error
+            progress.wait(self.sleep, f"upload of {path.name}", error)
+            state = self.blob_state(key)
+        return key
+
+    def submit_delta(
+        self, round_no: int, path: Path, *, inline: bool, key: str | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        """Send a delta inside the round message (inline) or as a blob reference.
+
+        Inline bodies refused as too slow or too large go as a blob instead (an upload
+        resumes where the inline body stopped). In blob mode the submission is tried
+        before any upload, so resending a delta the coordinator already holds costs one
+        short request.
+        """
+        key = _key(key) if key is not None else digest_file(path)
+        if inline:
+            try:
+                return self._request(
+                    "POST",
+                    f"/v1/rounds/{round_no}/deltas/inline",
+                    params={k: v for k, v in fields.items() if v is not None},
+                    content_factory=lambda: iter_chunks(path),
+                    headers={"X-Content-Digest": key, "Content-Length": str(path.stat().st_size)},
+                ).json()
+            except Refused as exc:
+                if exc.status not in INLINE_FALLBACK_STATUS:
+                    raise
+                log.warning("inline delta refused (%s); sending it as a blob", exc)
+        body = {**fields, "blob": key}
+        try:
+            return self.post(f"/v1/rounds/{round_no}/deltas", body)
+        except Refused as exc:
+            if exc.code != "unknown_blob":
+                raise
+        self.upload_blob(path, key)
+        return self.post(f"/v1/rounds/{round_no}/deltas", body)
+
+    def _download(self, url: str, dest: Path, what: str, expected: str | None = None) -> Path:
+        """GET ``url`` in ranges of ``part_bytes`` into ``dest``, hashing as bytes arrive."""
         if dest.exists():
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + self.retry_budget_s
-        while True:
-            try:
-                return self._download_once(generation, dest)
-            except (httpx.TransportError, IntegrityError) as exc:
-                if time.monotonic() > deadline:
-                    raise Unreachable(f"download of generation {generation} failed: {exc}") from exc
-                self.sleep(1.0)
-
-    def _download_once(self, generation: int, dest: Path) -> Path:
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
-        digest = hashlib.sha256()
-        with self.http.stream("GET", f"/v1/models/{generation}") as response:
-            if response.status_code >= 400:
-                response.read()
-                raise _refusal(response)
-            expected = response.headers.get("X-Content-SHA256", "")
-            with open(tmp, "wb") as handle:
-                for chunk in response.iter_bytes(CHUNK):
-                    digest.update(chunk)
-                    handle.write(chunk)
-                handle.flush()
-                os.fsync(handle.fileno())
-        if expected and digest.hexdigest() != expected:
+        progress = _Progress(self.retry_budget_s)
+        sink = _Sink(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        try:
+            size, digest = None, expected
+            while size is None or sink.received < size:
+                offset = sink.received
+                stop = offset + self.part_bytes - 1
+                try:
+                    with self.http.stream(
+                        "GET", url, headers={"Range": f"bytes={offset}-{stop}"}
+                    ) as response:
+                        if response.status_code >= 400:
+                            response.read()
+                            raise _refusal(response)
+                        sent = canonical_digest(response.headers.get("X-Content-Digest", ""))
+                        if expected is not None and sent != expected:
+                            raise IntegrityError(f"{what}: the server names it {sent}")
+                        if digest is None:
+                            digest = sent
+                        if sent != digest or response.status_code == 200 or sink.hasher is None:
+                            # first bytes, a changed file, or the whole file resent: start over
+                            sink.reset(parse_digest(sent)[0])
+                            digest = sent
+                        size = int(response.headers.get("X-Content-Size", "0")) or _range_total(
+                            response
+                        )
+                        for chunk in response.iter_raw():
+                            sink.feed(chunk)
+                    progress.advanced()
+                except (httpx.TransportError, DigestError) as exc:
+                    if isinstance(exc, DigestError):
+                        raise IntegrityError(f"{what}: bad digest header: {exc}") from exc
+                    progress.wait(self.sleep, f"download of {what}", exc)
+                except Refused as exc:
+                    if exc.status not in RETRY_STATUS:
+                        raise
+                    progress.wait(self.sleep, f"download of {what}", exc)
+            sink.drain()
+            assert sink.hasher is not None and digest is not None
+            if f"{parse_digest(digest)[0]}:{sink.hasher.hexdigest()}" != digest:
+                raise IntegrityError(f"{what}: the bytes received do not match {digest}")
+            os.fsync(sink.fd)
+        except BaseException:
+            sink.close()
             tmp.unlink(missing_ok=True)
-            raise IntegrityError(f"generation {generation}: body does not match its SHA-256")
+            raise
+        sink.close()
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
         return dest
 
-    def upload_blob(self, path: Path) -> str:
-        """PUT a file into the blob store (streamed); idempotent, retried on failure."""
-        key = sha256_file(path)
-        self._request(
-            "PUT",
-            f"/v1/blobs/{key}",
-            content_factory=lambda: _file_chunks(path),
-            headers={"Content-Length": str(path.stat().st_size)},
-        )
-        return key
 
-    def submit_delta(
-        self, round_no: int, path: Path, *, inline: bool, **fields: Any
-    ) -> dict[str, Any]:
-        """Send a delta file either inside the round message (inline) or as a blob reference."""
-        if inline:
-            key = sha256_file(path)
-            return self._request(
-                "POST",
-                f"/v1/rounds/{round_no}/deltas/inline",
-                params={k: v for k, v in fields.items() if v is not None},
-                content_factory=lambda: _file_chunks(path),
-                headers={"X-Content-SHA256": key, "Content-Length": str(path.stat().st_size)},
-            ).json()
-        key = self.upload_blob(path)
-        return self.post(f"/v1/rounds/{round_no}/deltas", {**fields, "blob": key})
+class _Sink:
+    """Received bytes -> file and hasher, in order, on one worker thread (overlapping the
+    network reads); at most two batches are buffered."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="crossfed-sink")
+        self.pending: Future[None] | None = None
+        self.batch: list[bytes] = []
+        self.batched = 0
+        self.received = 0  # bytes fed (all of them reach the file once drained)
+        self.written = 0
+        self.hasher: Hasher | None = None
+
+    def reset(self, algo: str) -> None:
+        self.drain()
+        os.ftruncate(self.fd, 0)
+        self.received = self.written = 0
+        self.hasher = new_hasher(algo)
+
+    def feed(self, chunk: bytes) -> None:
+        self.batch.append(chunk)
+        self.batched += len(chunk)
+        self.received += len(chunk)
+        if self.batched >= SINK_BATCH:
+            self._submit()
+
+    def _submit(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+        self.pending = self.pool.submit(self._absorb, self.batch)
+        self.batch, self.batched = [], 0
+
+    def _absorb(self, pieces: list[bytes]) -> None:
+        assert self.hasher is not None
+        for piece in pieces:
+            _write_all(self.fd, piece, self.written)
+            self.hasher.update(piece)
+            self.written += len(piece)
+
+    def drain(self) -> None:
+        if self.batch:
+            self._submit()
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            if self.pending is not None:
+                self.pending.result()
+        finally:
+            self.pool.shutdown()
+            os.close(self.fd)
 
 
 class IntegrityError(Exception):
-    """Downloaded bytes did not match the advertised digest."""
+    """Bytes did not match their digest."""
 
 
-def _file_chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            yield chunk
+class _Progress:
+    """Retry budget that restarts whenever a transfer makes progress, with backoff."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.delay = 0.2
+        self.deadline = time.monotonic() + budget_s
+
+    def advanced(self) -> None:
+        self.delay = 0.2
+        self.deadline = time.monotonic() + self.budget_s
+
+    def wait(self, sleep: Callable[[float], None], what: str, error: Exception) -> None:
+        if time.monotonic() + self.delay > self.deadline:
+            raise Unreachable(f"{what} made no progress for {self.budget_s}s: {error}") from error
+        sleep(self.delay * (0.5 + random.random()))
+        self.delay = min(self.delay * 2, 5.0)
+
+
+def _key(key: str) -> str:
+    try:
+        return canonical_digest(key)
+    except DigestError as exc:
+        raise IntegrityError(f"bad blob key: {exc}") from exc
+
+
+def _range_total(response: httpx.Response) -> int:
+    """Total size from ``Content-Range: bytes a-b/total`` (or the body length for a 200)."""
+    content_range = response.headers.get("Content-Range", "")
+    if "/" in content_range:
+        return int(content_range.rsplit("/", 1)[1])
+    return int(response.headers.get("Content-Length", "0"))
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def _refusal(response: httpx.Response) -> Refused:

@@ -10,29 +10,33 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
+from crossfed.compress import open_delta
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobStore
+from crossfed.coordinator.faults import crash_point
 from crossfed.coordinator.rounds import close_decision
 from crossfed.coordinator.runspec import RunSpec
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
 from crossfed.darl.ledger import LedgerError, LedgerStore, apply_event
 from crossfed.outer import DeltaError, outer_step, validate_delta
-from crossfed.transport import save_atomic, sha256_file, to_bf16
+from crossfed.transport import digest_file, save_tensors
 
 log = logging.getLogger("crossfed.coordinator")
 MOMENTUM = "momentum::"
+BLOB_GRACE_S = 3600.0  # an uploaded blob no delta refers to is deleted after this long
+_MODEL_FILE = re.compile(r"^(master|global)-(\d{6,})\.safetensors$")
 
 
 class CoordinatorError(Exception):
@@ -122,31 +126,62 @@ class Coordinator:
         return self.models_dir / f"master-{generation:06d}.safetensors"
 
     def global_path(self, generation: int) -> Path:
+        """The published bf16 model of ``generation`` (a generation whose merge has not
+        committed yet is not published, even if a killed merge left its file behind)."""
         path = self.models_dir / f"global-{generation:06d}.safetensors"
-        if not path.exists():
+        if generation > store.get_meta(self.conn, "generation", 0) or not path.exists():
             raise CoordinatorError(
                 404, "unknown_generation", f"no global model for generation {generation}"
             )
         return path
 
-    def _write_generation(self, generation: int) -> None:
-        """Global bf16 model for sites and fp32 master + momentum for restarts, both atomic."""
-        meta = {"generation": str(generation), "format": "crossfed-global-v1"}
-        master = dict(self.master)
-        master.update({MOMENTUM + k: v for k, v in self.momentum.items()})
-        save_atomic(master, self._master_path(generation), meta)
-        path = self.models_dir / f"global-{generation:06d}.safetensors"
-        save_atomic(to_bf16(self.master), path, meta)
-        store.set_meta(self.conn, f"global_sha256:{generation}", sha256_file(path))
-        for old in range(0, generation - self.keep_generations + 1):
-            for stale in (
-                self._master_path(old),
-                self.models_dir / f"global-{old:06d}.safetensors",
-            ):
-                stale.unlink(missing_ok=True)
+    def global_file(self, generation: int) -> tuple[Path, str]:
+        """Path and ``algo:hex`` digest of generation ``generation``'s global model."""
+        path = self.global_path(generation)
+        digest = store.get_meta(self.conn, f"global_digest:{generation}")
+        if digest is None:  # written before digests were recorded
+            digest = digest_file(path)
+            store.set_meta(self.conn, f"global_digest:{generation}", digest)
+        return path, digest
 
-    def global_sha256(self, generation: int) -> str:
-        return store.get_meta(self.conn, f"global_sha256:{generation}", "")
+    def _write_generation(self, generation: int) -> None:
+        """fp32 master + momentum (for restarts) and the bf16 global model (for sites).
+
+        Both are streamed tensor by tensor (no second copy of the model in memory) to temp
+        files, fsynced and renamed; the global model's digest is computed as it is written.
+        A merge killed before its commit leaves files for a generation that is not
+        published; the merge is redone after the restart and overwrites them.
+        """
+        meta = {"generation": str(generation), "format": "crossfed-global-v1"}
+        state = {**self.master, **{MOMENTUM + k: v for k, v in self.momentum.items()}}
+        save_tensors(state, self._master_path(generation), meta, algo=None)
+        path = self.models_dir / f"global-{generation:06d}.safetensors"
+        digest = save_tensors(self.master, path, meta, dtype=torch.bfloat16)
+        store.set_meta(self.conn, f"global_digest:{generation}", digest)
+        crash_point("after_generation_write")
+
+    def _retain(self, generation: int, closed_round: int) -> None:
+        """Retention once generation ``generation`` is committed: keep the last
+        ``keep_generations`` generations' model files, delete the merged rounds' delta
+        blobs, and blobs or partial uploads no delta refers to after ``BLOB_GRACE_S``."""
+        oldest = generation - max(1, self.keep_generations) + 1
+        for path in self.models_dir.iterdir():
+            match = _MODEL_FILE.match(path.name)
+            if match is not None and int(match.group(2)) < oldest:
+                path.unlink(missing_ok=True)
+            elif path.name.startswith(".") and path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)  # left by a killed write (writes hold the lock)
+        merged = self.conn.execute(
+            "SELECT DISTINCT blob FROM deltas WHERE round_no <= ?", (closed_round,)
+        ).fetchall()
+        pending = self.conn.execute(
+            "SELECT DISTINCT blob FROM deltas WHERE round_no > ?", (closed_round,)
+        ).fetchall()
+        self.blobs.prune(
+            drop=[r["blob"] for r in merged],
+            keep=[r["blob"] for r in pending],
+            grace_s=BLOB_GRACE_S,
+        )
 
     # ------------------------------------------------------------------ reads
     def current_round(self) -> dict[str, Any]:
@@ -484,10 +519,10 @@ class Coordinator:
             pass
 
     def _validate_delta_blob(self, blob: str) -> None:
+        """Decode (any codec) and check a delta against the master before accepting it."""
         path = self.blobs.path(blob)
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                delta = _LazyTensors(handle)
+            with open_delta(path) as delta:
                 validate_delta(self.master, delta)
         except DeltaError as exc:
             raise CoordinatorError(422, "bad_delta", f"delta rejected: {exc}") from exc
@@ -536,14 +571,11 @@ class Coordinator:
         """Apply Eq. 1 to the round's deltas, persist generation g+1 and open the next round."""
         assert self.spec is not None
         started = time.perf_counter()
-        handles = [safe_open(str(self.blobs.path(d["blob"])), framework="pt") for d in deltas]
-        report = outer_step(
-            self.master,
-            self.momentum,
-            [_LazyTensors(h) for h in handles],
-            [d["tokens"] for d in deltas],
-            self.spec.outer,
-        )
+        with ExitStack() as files:  # lazy, decoded views: each delta tensor is read once
+            views = [files.enter_context(open_delta(self.blobs.path(d["blob"]))) for d in deltas]
+            report = outer_step(
+                self.master, self.momentum, views, [d["tokens"] for d in deltas], self.spec.outer
+            )
         merge_s = time.perf_counter() - started
         generation = current["generation"] + 1
         write_started = time.perf_counter()
@@ -577,10 +609,8 @@ class Coordinator:
                 "VALUES (?, ?, 'open', ?, ?)",
                 (current["round_no"] + 1, generation, now, global_step),
             )
-        for old in self.conn.execute(
-            "SELECT blob FROM deltas WHERE round_no < ?", (current["round_no"],)
-        ).fetchall():
-            self.blobs.delete(old["blob"])
+        crash_point("after_close_commit")
+        self._retain(generation, current["round_no"])
         log.info(
             "round %d closed (%s): %d contributors, %d tokens, generation %d, merge %.2fs",
             current["round_no"],
@@ -591,31 +621,6 @@ class Coordinator:
             merge_s,
         )
         return summary
-
-
-class _LazyTensors:
-    """A read-once mapping view over an open safetensors file (no full copy in memory)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def keys(self) -> list[str]:
-        return list(self.handle.keys())
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self.keys())
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.handle.keys()
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.handle.get_tensor(key)
-
-    def items(self):
-        return ((k, self[k]) for k in self.keys())
 
 
 def _weighted_loss(deltas: list[dict]) -> float | None:

@@ -1,0 +1,213 @@
+"""A coordinator SIGKILLed at every point of a round comes back consistent from disk.
+
+Real coordinator processes (``tests/conftest.py``): killed from outside after a lease, an
+upload, a submit and a merge, and killed from inside (``CROSSFED_CRASH_AT``) in the middle of
+a blob upload, after a merge's files are written but before it commits, and after the commit
+but before retention. After each restart the generation, the fp32 master and momentum and the
+bf16 global model must equal (bitwise) an uninterrupted outer step over the accepted deltas,
+the ledger must hold each committed block once, and a site resending gets the same answer.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import threading
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from crossfed.compress import open_delta
+from crossfed.coordinator.faults import ENV
+from crossfed.outer import OuterConfig, outer_step
+from crossfed.transport import digest_file
+from tests.conftest import LiveCoordinator
+from tests.test_coordinator_http import (
+    committed_rows,
+    delta_file,
+    global_model,
+    join_and_lease,
+    submit,
+    wait_round_closed,
+)
+
+pytestmark = pytest.mark.slow
+
+TOKENS = {"snellius": 3000, "lumi": 1000}
+
+
+def crash(live: LiveCoordinator, monkeypatch: pytest.MonkeyPatch, at: str | None = None) -> None:
+    """SIGKILL the coordinator and start it again (with a crash point armed, if ``at``)."""
+    if live.process.poll() is None:
+        live.kill()
+    if at is not None:
+        monkeypatch.setenv(ENV, at)
+    live.restart()
+    monkeypatch.delenv(ENV, raising=False)
+
+
+def died_by_its_own_hand(live: LiveCoordinator) -> None:
+    assert live.process.wait(timeout=120) == -signal.SIGKILL
+
+
+def meta(live: LiveCoordinator, key: str) -> str | None:
+    with sqlite3.connect(live.state_dir / "state.sqlite") as conn:
+        row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return row[0] if row else None
+
+
+def models(live: LiveCoordinator) -> Path:
+    return live.state_dir / "models"
+
+
+def master_of(live: LiveCoordinator, generation: int) -> dict[str, torch.Tensor]:
+    return load_file(str(models(live) / f"master-{generation:06d}.safetensors"))
+
+
+def expected_step(
+    master0: dict[str, torch.Tensor], deltas: list[tuple[Path, int]]
+) -> dict[str, torch.Tensor]:
+    """Master and momentum (``momentum::`` keys) after one uninterrupted outer step."""
+    master = {k: v.clone() for k, v in master0.items() if not k.startswith("momentum::")}
+    momentum: dict[str, torch.Tensor] = {}
+    with ExitStack() as files:
+        views = [files.enter_context(open_delta(path)) for path, _ in deltas]
+        outer_step(master, momentum, views, [n for _, n in deltas], OuterConfig())
+    return {**master, **{f"momentum::{k}": v for k, v in momentum.items()}}
+
+
+def assert_generation(
+    live: LiveCoordinator, generation: int, expected: dict[str, torch.Tensor], tmp: Path
+) -> None:
+    """The status, the fp32 state on disk and the served bf16 model all match ``expected``."""
+    assert live.client().status()["generation"] == generation
+    state = master_of(live, generation)
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], expected[k]) for k in expected), "master/momentum differ"
+    served = global_model(live, generation, tmp)
+    for name, value in served.items():
+        assert torch.equal(value, expected[name].to(torch.bfloat16)), name
+
+
+def assert_ledger_once(live: LiveCoordinator, leases: list[dict]) -> None:
+    rows = committed_rows(live)
+    assert len(rows) == len({(r[0], r[1]) for r in rows}) == sum(h["n_blocks"] for h in leases)
+
+
+def test_sigkill_after_lease_upload_submit_and_merge(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    master0 = master_of(run, 0)
+    a, b = join_and_lease(run, "snellius", tiny_data), join_and_lease(run, "lumi", tiny_data)
+
+    crash(run, monkeypatch)  # after the leases: both still held
+    held = {lease["lease_id"] for lease in run.client().status()["active_leases"]}
+    assert held == {a["lease_id"], b["lease_id"]}
+
+    da = delta_file(tmp_path, g0, seed=1, name="a")
+    key = run.client("snellius").upload_blob(da)
+    crash(run, monkeypatch)  # after the upload, before the submit: the blob is kept
+    assert run.client("snellius").blob_state(key)["complete"]
+    first = submit(run, "snellius", a, da, tokens=TOKENS["snellius"])
+    assert first["accepted"] and not first["already"]
+
+    crash(run, monkeypatch)  # after the submit: the delta is remembered
+    again = submit(run, "snellius", a, da, tokens=TOKENS["snellius"])
+    assert again["accepted"] and again["already"]
+    assert [d["site"] for d in run.client().round_info(1)["deltas"]] == ["snellius"]
+    db = delta_file(tmp_path, g0, seed=2, name="b")
+    assert submit(run, "lumi", b, db, tokens=TOKENS["lumi"], inline=True)["accepted"]
+    wait_round_closed(run, 1)
+
+    crash(run, monkeypatch)  # after the merge
+    expected = expected_step(master0, [(da, TOKENS["snellius"]), (db, TOKENS["lumi"])])
+    assert_generation(run, 1, expected, tmp_path / "after")
+    assert_ledger_once(run, [a, b])
+    for site, lease, path in (("snellius", a, da), ("lumi", b, db)):
+        assert submit(run, site, lease, path, tokens=TOKENS[site])["already"]
+
+
+def test_sigkill_inside_the_merge_before_its_commit_redoes_it_identically(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    master0 = master_of(run, 0)
+    a, b = join_and_lease(run, "snellius", tiny_data), join_and_lease(run, "lumi", tiny_data)
+    da, db = delta_file(tmp_path, g0, seed=3, name="a"), delta_file(tmp_path, g0, seed=4, name="b")
+    assert submit(run, "snellius", a, da, tokens=TOKENS["snellius"])["accepted"]
+
+    crash(run, monkeypatch, at="after_generation_write")
+    assert submit(run, "lumi", b, db, tokens=TOKENS["lumi"])["accepted"]
+    died_by_its_own_hand(run)  # the round closed, generation 1 is on disk, not committed
+    assert meta(run, "generation") == "0"
+    half_done = (models(run) / "master-000001.safetensors").read_bytes()
+
+    crash(run, monkeypatch)
+    wait_round_closed(run, 1)  # the merge is redone from generation 0 and the same deltas
+    expected = expected_step(master0, [(da, TOKENS["snellius"]), (db, TOKENS["lumi"])])
+    assert_generation(run, 1, expected, tmp_path / "after")
+    assert (models(run) / "master-000001.safetensors").read_bytes() == half_done
+    assert_ledger_once(run, [a, b])
+    assert submit(run, "lumi", b, db, tokens=TOKENS["lumi"])["already"]
+
+
+def test_sigkill_after_the_merge_commits_before_retention(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    master0 = master_of(run, 0)
+    a = join_and_lease(run, "snellius", tiny_data)
+    da = delta_file(tmp_path, g0, seed=5, name="a")
+
+    crash(run, monkeypatch, at="after_close_commit")
+    assert submit(run, "snellius", a, da, tokens=TOKENS["snellius"])["accepted"]
+    died_by_its_own_hand(run)
+    assert meta(run, "generation") == "1"
+    blob = run.state_dir / "blobs" / "blake3" / digest_file(da).split(":")[1][:2]
+    assert any(blob.iterdir())  # retention did not run
+
+    crash(run, monkeypatch)
+    expected = expected_step(master0, [(da, TOKENS["snellius"])])
+    assert_generation(run, 1, expected, tmp_path / "after")
+    assert submit(run, "snellius", a, da, tokens=TOKENS["snellius"])["already"]
+    # the next merge's retention removes the round-1 blob the crash left behind
+    g1 = global_model(run, 1, tmp_path / "g1")
+    c = join_and_lease(run, "lumi", tiny_data, round_no=2)
+    dc = delta_file(tmp_path, g1, seed=6, name="c")
+    assert submit(run, "lumi", c, dc, generation=1, round_no=2)["accepted"]
+    wait_round_closed(run, 2)
+    assert not any(blob.iterdir())
+    assert_ledger_once(run, [a, c])
+
+
+def test_sigkill_in_the_middle_of_a_blob_upload_resumes_it(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g0 = global_model(run, 0, tmp_path)
+    a = join_and_lease(run, "snellius", tiny_data)
+    da = delta_file(tmp_path, g0, seed=7, name="a")
+    part = da.stat().st_size // 3 + 1
+
+    crash(run, monkeypatch, at="after_upload_part")
+    client = run.client("snellius", part_bytes=part, retry_budget_s=600)
+    offsets: list[str] = []
+    client.http.event_hooks["request"] = [
+        lambda r: offsets.append(r.url.params.get("offset")) if r.method == "PUT" else None
+    ]
+    result: dict = {}
+    uploader = threading.Thread(target=lambda: result.update(key=client.upload_blob(da)))
+    uploader.start()
+    died_by_its_own_hand(run)  # the first part is on disk, its reply never went out
+    staged = list((run.state_dir / "blobs" / ".uploads").iterdir())
+    assert [p.stat().st_size for p in staged] == [part]
+
+    crash(run, monkeypatch)
+    uploader.join(timeout=600)
+    assert result["key"] == digest_file(da)
+    assert offsets.count("0") == 1  # resumed at the first part's end, not sent again
+    assert submit(run, "snellius", a, da, tokens=TOKENS["snellius"])["accepted"]
+    assert not list((run.state_dir / "blobs" / ".uploads").iterdir())

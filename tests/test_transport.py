@@ -1,0 +1,510 @@
+"""Weights on the wire: streamed safetensors files, digests, the blob store, parts and ranges."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import blake3
+import httpx
+import pytest
+import torch
+import uvicorn
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from crossfed.coordinator.app import Tokens, create_app
+from crossfed.coordinator.blobs import BlobError, BlobStore, check_key
+from crossfed.coordinator.client import CoordinatorClient, IntegrityError, Refused, Unreachable
+from crossfed.coordinator.ranged import RangeError, parse_range
+from crossfed.coordinator.service import Coordinator
+from crossfed.transport import (
+    DigestError,
+    TensorSpec,
+    canonical_digest,
+    delta_of,
+    digest_file,
+    parse_digest,
+    save_delta,
+    save_stream,
+    save_tensors,
+)
+
+MiB = 1 << 20
+
+
+def blake(data: bytes) -> str:
+    return "blake3:" + blake3.blake3(data).hexdigest()
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------- files
+def test_streamed_file_is_plain_safetensors_and_its_digest_is_the_files(tmp_path: Path) -> None:
+    tensors = {
+        "w": torch.randn(17, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "i": torch.arange(6, dtype=torch.int8).view(2, 3),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5),
+    }
+    path = tmp_path / "x.safetensors"
+    digest = save_tensors(tensors, path, {"round": "3"})
+    back = load_file(str(path))
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name], value)
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"round": "3"}
+    assert digest == digest_file(path) == blake(path.read_bytes())
+    assert save_tensors(tensors, path, {"round": "3"}, algo="sha256") == sha(path.read_bytes())
+    assert list(tmp_path.iterdir()) == [path]  # no temp file left behind
+
+
+def test_cast_on_write_gives_bf16_without_a_copy_of_the_dict(tmp_path: Path) -> None:
+    master = {"a": torch.randn(64, 3), "b": torch.randn(5)}
+    path = tmp_path / "g.safetensors"
+    save_tensors(master, path, dtype=torch.bfloat16)
+    back = load_file(str(path))
+    for name, value in master.items():
+        assert torch.equal(back[name], value.to(torch.bfloat16))
+
+
+def test_a_tensor_that_does_not_match_its_header_leaves_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.safetensors"
+    specs = [TensorSpec("a", torch.float32, (3,))]
+    with pytest.raises(ValueError, match="header says"):
+        save_stream(path, specs, lambda spec: torch.zeros(4))
+    with pytest.raises(ValueError, match="header says"):
+        save_stream(path, specs, lambda spec: torch.zeros(3, dtype=torch.bfloat16))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_streamed_delta_equals_the_in_memory_delta(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    ref = {"w": torch.randn(33, 8, generator=gen), "n": torch.randn(8, generator=gen)}
+    site = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in ref.items()}
+    path = tmp_path / "d.safetensors"
+    digest = save_delta(site, {k: v.to(torch.bfloat16) for k, v in ref.items()}, path)
+    expected = delta_of(site, {k: v.to(torch.bfloat16) for k, v in ref.items()})
+    back = load_file(str(path))
+    assert all(torch.equal(back[k], expected[k]) for k in ref)
+    assert digest == digest_file(path)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("blake3:" + "a" * 64, ("blake3", "a" * 64)),
+        ("sha256:" + "0" * 64, ("sha256", "0" * 64)),
+        ("f" * 64, ("sha256", "f" * 64)),  # legacy bare SHA-256
+    ],
+)
+def test_digests_name_their_algorithm(text: str, expected: tuple[str, str]) -> None:
+    assert parse_digest(text) == expected
+    assert canonical_digest(text) == f"{expected[0]}:{expected[1]}"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "blake3:" + "A" * 64,
+        "md5:" + "a" * 64,
+        "blake3:" + "a" * 63,
+        "../../etc/passwd",
+        "blake3:../" + "a" * 61,
+        "blake3:" + "a" * 64 + "/x",
+    ],
+)
+def test_bad_digests_and_path_like_keys_are_refused(text: str) -> None:
+    with pytest.raises(DigestError):
+        parse_digest(text)
+    with pytest.raises(BlobError) as caught:
+        check_key(text)
+    assert caught.value.status == 400
+
+
+# --------------------------------------------------------------------------- blob store
+async def body(data: bytes, piece: int = 1000, delay: float = 0.0) -> AsyncIterator[bytes]:
+    for lo in range(0, len(data), piece):
+        if delay:
+            await asyncio.sleep(delay)
+        yield data[lo : lo + piece]
+
+
+def put(store: BlobStore, key: str, data: bytes, **kwargs) -> dict:
+    kwargs.setdefault("max_bytes", 1 << 30)
+    return asyncio.run(store.write_part(key, body(data), **kwargs))
+
+
+def test_a_blob_uploaded_in_parts_is_verified_and_renamed_into_place(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(10_000)
+    key = blake(data)
+    assert store.upload_state(key) == {"key": key, "complete": False, "offset": 0, "bytes": None}
+    state = put(store, key, data[:4000], offset=0, total=len(data))
+    assert state["complete"] is False and state["offset"] == 4000
+    assert store.upload_state(key)["offset"] == 4000
+    state = put(store, key, data[4000:], offset=4000, total=len(data))
+    assert state["complete"] is True and state["bytes"] == len(data)
+    assert store.path(key).read_bytes() == data
+    assert list((tmp_path / "blobs" / ".uploads").iterdir()) == []
+    # idempotent: the same blob again is answered without its body
+    assert put(store, key, b"", offset=0, total=len(data))["complete"] is True
+
+
+def test_a_part_at_the_wrong_offset_is_refused_with_the_offset_to_use(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(5000)
+    key = sha(data)
+    put(store, key, data[:2000], offset=0, total=len(data))
+    with pytest.raises(BlobError) as caught:
+        put(store, key, data[3000:], offset=3000, total=len(data))
+    assert caught.value.status == 409 and caught.value.extra == {"offset": 2000}
+    assert put(store, key, data[2000:], offset=2000, total=len(data))["complete"]
+
+
+def test_a_corrupted_upload_is_rejected_and_nothing_is_kept(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(3000)
+    key = blake(data)
+    corrupted = data[:1000] + b"\x00" + data[1001:]
+    with pytest.raises(BlobError) as caught:
+        put(store, key, corrupted)
+    assert caught.value.status == 422 and "mismatch" in str(caught.value)
+    assert not store.exists(key) and store.upload_state(key)["offset"] == 0
+    truncated = data[:2999]
+    with pytest.raises(BlobError):
+        put(store, key, truncated)
+    assert put(store, key, data)["complete"]  # the retry goes through
+
+
+def test_a_slow_part_is_cut_at_its_deadline_and_resumes_where_it_stopped(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(20_000)
+    key = blake(data)
+
+    async def slow() -> dict:
+        return await store.write_part(
+            key,
+            body(data, piece=1000, delay=0.02),
+            offset=0,
+            total=len(data),
+            max_bytes=1 << 20,
+            deadline=time.monotonic() + 0.15,
+        )
+
+    with pytest.raises(BlobError) as caught:
+        asyncio.run(slow())
+    assert caught.value.status == 408
+    got = caught.value.extra["offset"]
+    assert 0 < got < len(data) and store.upload_state(key)["offset"] == got
+    assert put(store, key, data[got:], offset=got, total=len(data))["complete"]
+    assert store.path(key).read_bytes() == data
+
+
+def test_an_upload_resumes_across_a_restart_of_the_store(tmp_path: Path) -> None:
+    data = os.urandom(50_000)
+    key = blake(data)
+    put(BlobStore(tmp_path / "blobs"), key, data[:30_000], offset=0, total=len(data))
+    fresh = BlobStore(tmp_path / "blobs")  # no hasher state: rebuilt from the staged bytes
+    assert fresh.upload_state(key)["offset"] == 30_000
+    assert put(fresh, key, data[30_000:], offset=30_000, total=len(data))["complete"]
+    assert fresh.path(key).read_bytes() == data
+
+
+def test_oversized_blobs_and_overlong_parts_are_refused(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(3000)
+    with pytest.raises(BlobError) as caught:
+        put(store, blake(data), data, max_bytes=2000)
+    assert caught.value.status == 413
+    with pytest.raises(BlobError) as caught:
+        put(store, blake(data), data, total=10_000, max_bytes=2000)
+    assert caught.value.status == 413
+    with pytest.raises(BlobError) as caught:
+        put(store, blake(data), data, offset=0, total=1000)
+    assert caught.value.status == 400 and "declared total" in str(caught.value)
+
+
+def test_prune_drops_merged_keeps_pending_and_ages_out_orphans(tmp_path: Path) -> None:
+    now = [1000.0]
+    store = BlobStore(tmp_path / "blobs", clock=lambda: now[0])
+    blobs = {name: os.urandom(100) for name in ("merged", "pending", "orphan", "fresh")}
+    keys = {name: blake(data) for name, data in blobs.items()}
+    for name, data in blobs.items():
+        put(store, keys[name], data)
+    part_data = os.urandom(100)
+    put(store, blake(part_data), part_data[:50], offset=0, total=100)
+    old = now[0] - 7200
+    for name in ("merged", "pending", "orphan"):
+        os.utime(store.path(keys[name]), (old, old))
+    os.utime(next((tmp_path / "blobs" / ".uploads").iterdir()), (old, old))
+    deleted = store.prune(drop=[keys["merged"]], keep=[keys["pending"]], grace_s=3600)
+    assert sorted(deleted) == sorted([keys["merged"], keys["orphan"], blake(part_data)])
+    assert store.exists(keys["pending"]) and store.exists(keys["fresh"])
+    assert not store.exists(keys["merged"]) and not store.exists(keys["orphan"])
+    assert list((tmp_path / "blobs" / ".uploads").iterdir()) == []
+
+
+# --------------------------------------------------------------------------- ranges
+@pytest.mark.parametrize(
+    "header, size, expected",
+    [
+        (None, 10, None),
+        ("bytes=0-3", 10, (0, 4)),
+        ("bytes=4-", 10, (4, 10)),
+        ("bytes=8-100", 10, (8, 10)),
+        ("bytes=-3", 10, (7, 10)),
+        ("bytes=0-5", 0, None),  # an empty file is sent whole
+    ],
+)
+def test_single_byte_ranges(header: str | None, size: int, expected) -> None:
+    assert parse_range(header, size) == expected
+
+
+@pytest.mark.parametrize("header", ["bytes=10-", "bytes=5-2", "bytes=0-1,3-4", "items=0-1", "x"])
+def test_unsatisfiable_ranges_are_refused(header: str) -> None:
+    with pytest.raises(RangeError):
+        parse_range(header, 10)
+
+
+# --------------------------------------------------------------------------- client logic
+class FakeCoordinator:
+    """The blob and delta routes in memory, behind httpx.MockTransport, with faults."""
+
+    def __init__(self) -> None:
+        self.staged: dict[str, bytearray] = {}
+        self.complete: dict[str, bytes] = {}
+        self.deltas: dict[int, str] = {}
+        self.calls: list[str] = []
+        self.faults: list[str] = []  # consumed in order: "drop", "timeout", "inline_408"
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        path, method = request.url.path, request.method
+        self.calls.append(f"{method} {path}")
+        fault = self.faults.pop(0) if self.faults else None
+        if path.endswith("/state"):
+            key = path.split("/")[3]
+            if key in self.complete:
+                size = len(self.complete[key])
+                return httpx.Response(
+                    200, json={"key": key, "complete": True, "offset": size, "bytes": size}
+                )
+            offset = len(self.staged.get(key, b""))
+            return httpx.Response(
+                200, json={"key": key, "complete": False, "offset": offset, "bytes": None}
+            )
+        if method == "PUT":
+            key = path.split("/")[3]
+            offset, total = int(request.url.params["offset"]), int(request.url.params["total"])
+            data = request.read()
+            staged = self.staged.setdefault(key, bytearray())
+            if offset != len(staged):
+                return httpx.Response(409, json={"error": "upload_offset", "offset": len(staged)})
+            if fault == "drop":  # half the part arrives, then the connection breaks
+                staged += data[: len(data) // 2]
+                raise httpx.RemoteProtocolError("connection reset", request=request)
+            if fault == "timeout":
+                staged += data[: len(data) // 3]
+                return httpx.Response(408, json={"error": "request_timeout", "detail": "slow"})
+            staged += data
+            if len(staged) == total:
+                del self.staged[key]
+                if blake(bytes(staged)) != key:
+                    return httpx.Response(422, json={"error": "digest_mismatch", "detail": "x"})
+                self.complete[key] = bytes(staged)
+                return httpx.Response(201, json={"key": key, "complete": True, "offset": total})
+            return httpx.Response(201, json={"key": key, "complete": False, "offset": len(staged)})
+        if path.endswith("/deltas/inline"):
+            data = request.read()
+            if fault == "inline_408":
+                return httpx.Response(408, json={"error": "request_timeout", "detail": "slow"})
+            key = request.headers["x-content-digest"]
+            self.complete[key] = data
+            return self._accept(int(request.url.params["lease_id"]), key)
+        if path.endswith("/deltas"):
+            payload = json.loads(request.read())
+            return self._accept(payload["lease_id"], payload["blob"])
+        return httpx.Response(404, json={"error": "not_found", "detail": path})
+
+    def _accept(self, lease_id: int, key: str) -> httpx.Response:
+        if lease_id in self.deltas:
+            return httpx.Response(200, json={"accepted": True, "already": True})
+        if key not in self.complete:
+            return httpx.Response(404, json={"error": "unknown_blob", "detail": key})
+        self.deltas[lease_id] = key
+        return httpx.Response(200, json={"accepted": True, "already": False})
+
+
+def fake_client(fake: FakeCoordinator, part_bytes: int = 1000) -> CoordinatorClient:
+    client = CoordinatorClient(
+        "http://coordinator", "tok", part_bytes=part_bytes, sleep=lambda s: None
+    )
+    client.http = httpx.Client(
+        base_url="http://coordinator", transport=httpx.MockTransport(fake.handler)
+    )
+    return client
+
+
+def test_upload_resumes_after_dropped_and_timed_out_parts(tmp_path: Path) -> None:
+    fake = FakeCoordinator()
+    data = os.urandom(4500)
+    path = tmp_path / "d.bin"
+    path.write_bytes(data)
+    fake.faults = [None, None, "drop", None, "timeout"]  # state, part 1, part 2 breaks, ...
+    key = fake_client(fake).upload_blob(path)
+    assert key == blake(data) and fake.complete[key] == data
+    puts = [c for c in fake.calls if c.startswith("PUT")]
+    assert len(puts) > 5  # five parts plus the broken and cut ones
+
+
+def test_a_blob_mismatch_is_retried_a_bounded_number_of_times(tmp_path: Path) -> None:
+    fake = FakeCoordinator()
+    path = tmp_path / "d.bin"
+    path.write_bytes(os.urandom(500))
+    with pytest.raises(IntegrityError, match="hashed it differently"):
+        fake_client(fake).upload_blob(path, key=blake(b"something else"))
+
+
+def test_a_resent_delta_costs_no_upload_and_inline_falls_back_to_blob(tmp_path: Path) -> None:
+    fake = FakeCoordinator()
+    path = tmp_path / "d.bin"
+    path.write_bytes(os.urandom(2500))
+    client = fake_client(fake)
+    fields = dict(site="lumi", lease_id=7, generation=0, tokens=10, steps=1, consumed=1)
+    fake.faults = ["inline_408"]
+    reply = client.submit_delta(1, path, inline=True, **fields)
+    assert reply == {"accepted": True, "already": False}
+    assert fake.deltas[7] == blake(path.read_bytes())
+    assert any(c.startswith("PUT") for c in fake.calls)  # it went as a blob
+    fake.calls.clear()
+    again = client.submit_delta(1, path, inline=False, **fields)
+    assert again["already"] and fake.calls == ["POST /v1/rounds/1/deltas"]
+
+
+def test_refusals_other_than_resync_ones_surface(tmp_path: Path) -> None:
+    path = tmp_path / "d.bin"
+    path.write_bytes(b"x" * 10)
+    client = CoordinatorClient("http://coordinator", "tok", sleep=lambda s: None)
+    client.http = httpx.Client(
+        base_url="http://coordinator",
+        transport=httpx.MockTransport(
+            lambda r: httpx.Response(403, json={"error": "forbidden", "detail": "no"})
+        ),
+    )
+    with pytest.raises(Refused) as caught:
+        client.upload_blob(path)
+    assert caught.value.code == "forbidden"
+
+
+# --------------------------------------------------------------------------- real server
+class Server:
+    """The coordinator app in this process (uvicorn on a thread), without a run."""
+
+    def __init__(self, state_dir: Path, max_request_s: float) -> None:
+        self.coordinator = Coordinator(state_dir)
+        app = create_app(
+            self.coordinator,
+            Tokens("admin-token", {"lumi": "lumi-token"}),
+            max_request_s=max_request_s,
+        )
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def client(self, **kwargs) -> CoordinatorClient:
+        kwargs.setdefault("retry_budget_s", 20.0)
+        return CoordinatorClient(f"http://127.0.0.1:{self.port}", "lumi-token", **kwargs)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    with Server(tmp_path / "state", max_request_s=60.0) as live:
+        yield live
+
+
+def test_parts_up_and_ranges_down_through_the_real_app(server: Server, tmp_path: Path) -> None:
+    data = os.urandom(3 * MiB + 12345)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data)
+    client = server.client(part_bytes=MiB)
+    key = client.upload_blob(path)
+    assert key == blake(data) and client.blob_state(key)["complete"]
+    out = client.download_blob(key, tmp_path / "out" / "blob.bin")
+    assert out.read_bytes() == data
+    assert [p.name for p in out.parent.iterdir()] == ["blob.bin"]
+    response = client.http.get(f"/v1/blobs/{key}", headers={"Range": "bytes=5-9"})
+    assert response.status_code == 206 and response.content == data[5:10]
+    assert response.headers["content-range"] == f"bytes 5-9/{len(data)}"
+    assert response.headers["x-content-digest"] == key
+
+
+def test_a_download_cut_at_the_request_deadline_resumes(tmp_path: Path) -> None:
+    data = os.urandom(9 * MiB + 7)  # three 4 MiB chunks: each response is cut after one
+    with Server(tmp_path / "state", max_request_s=0.0) as live:
+        key = blake(data)
+        asyncio.run(
+            live.coordinator.blobs.write_part(key, body(data, piece=MiB), max_bytes=1 << 30)
+        )
+        client = live.client(part_bytes=64 * MiB)
+        ranges: list[str] = []
+        client.http.event_hooks["request"] = [lambda r: ranges.append(r.headers["range"])]
+        out = client.download_blob(key, tmp_path / "out.bin")
+    assert out.read_bytes() == data
+    assert ranges[:3] == [f"bytes={n * 4 * MiB}-{n * 4 * MiB + 64 * MiB - 1}" for n in range(3)]
+
+
+def test_an_empty_blob_round_trips(server: Server, tmp_path: Path) -> None:
+    path = tmp_path / "empty.bin"
+    path.write_bytes(b"")
+    client = server.client()
+    key = client.upload_blob(path)
+    assert client.download_blob(key, tmp_path / "back.bin").read_bytes() == b""
+
+
+def test_http_refusals_name_the_problem(server: Server, tmp_path: Path) -> None:
+    client = server.client()
+    bad = client.http.put("/v1/blobs/blake3:..%2F..%2Fetc", content=b"x")
+    assert bad.status_code in (400, 404)
+    key = blake(b"hello")
+    wrong = client.http.put(f"/v1/blobs/{key}", content=b"hullo")
+    assert wrong.status_code == 422 and wrong.json()["error"] == "digest_mismatch"
+    client.http.put(f"/v1/blobs/{key}", params={"offset": 0, "total": 5}, content=b"he")
+    skip = client.http.put(f"/v1/blobs/{key}", params={"offset": 4, "total": 5}, content=b"o")
+    assert skip.status_code == 409 and skip.json()["offset"] == 2
+    missing = client.http.get(f"/v1/blobs/{blake(b'nope')}")
+    assert missing.status_code == 404 and missing.json()["error"] == "unknown_blob"
+    with pytest.raises(Refused) as caught:
+        client.download_model(0, tmp_path / "g0.safetensors")
+    assert caught.value.code in ("unknown_generation", "no_run")
+    with pytest.raises(Unreachable):
+        CoordinatorClient("http://127.0.0.1:9", "t", retry_budget_s=0.5).download_blob(
+            key, tmp_path / "x"
+        )
