@@ -137,3 +137,18 @@ def test_pacing_and_grace_replay_from_the_ledger():
     assert fresh.snapshot() == book.snapshot()
     assert fresh.commit_rate("b") == pytest.approx(2.0)
     assert fresh.lease(la.lease_id).expires_at == 60.0
+
+
+def test_next_expiry_and_active_sites_for_the_clock_tick():
+    book = book_with("a", "b", "c")
+    assert book.next_expiry() is None and book.active_sites() == []
+    la = book.grant("a", 2, 0.0, 10.0, 1)
+    lb = book.grant("b", 2, 0.0, 5.0, 2)
+    assert book.next_expiry() == 5.0
+    book.heartbeat(lb.lease_id, "b", 1, 4.0, ttl_s=20.0)  # refreshed: a's TTL is next now
+    assert book.next_expiry() == 10.0
+    assert book.active_sites() == ["a", "b"] and book.active_sites(2) == ["b"]
+    book.commit(la.lease_id, "a", 2, 5.0)
+    assert book.next_expiry() == 24.0 and book.active_sites(1) == []
+    assert [x.lease_id for x in book.expire(24.0)] == [lb.lease_id]
+    assert book.next_expiry() is None

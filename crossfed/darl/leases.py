@@ -189,6 +189,21 @@ class LeaseBook:
     def active_leases(self) -> list[Lease]:
         return [dataclasses.replace(lease) for lease in self._active.values()]
 
+    def active_sites(self, round_no: int | None = None) -> list[str]:
+        """Sites holding an active lease (of `round_no`, if given); no copies made."""
+        return [v.site for v in self._active.values() if round_no is None or v.round_no == round_no]
+
+    def next_expiry(self) -> float | None:
+        """When the next active lease expires (None without one): O(1) amortised, so a
+        clock tick can ask every fraction of a second however many leases are out."""
+        while self._expiry:
+            at, lease_id = self._expiry[0]
+            lease = self._active.get(lease_id)
+            if lease is not None and lease.expires_at == at:
+                return at
+            heapq.heappop(self._expiry)  # stale: closed or refreshed since
+        return None
+
     def sites(self) -> list[str]:
         return list(self._stats)
 

@@ -1,0 +1,163 @@
+"""ASGI guards in front of the coordinator's routes: status counts, the auth gate, body limits.
+
+Plain ASGI middleware: a refusal happens before a body is read, so an unauthenticated or
+oversized upload costs the server nothing.
+Order, outermost first: ``StatusCounter`` -> ``AuthGate`` -> ``BodyLimit`` -> routes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger("crossfed.http")
+
+#: routes whose bodies are model-sized (delta uploads); every other route carries small JSON
+BLOB_ROUTE = re.compile(r"^/v1/(blobs/[^/]*|rounds/[^/]+/deltas/inline)$")
+#: the one route served to anybody
+PUBLIC_PATHS = frozenset({"/v1/health"})
+#: the status page authenticates itself (admin token or its session cookie)
+UI_PREFIX = "/v1/ui"
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any], headers=()) -> None:
+    data = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+class StatusStats:
+    """Responses by status code since the process started (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.started_at = time.time()
+        self._lock = threading.Lock()
+        self._codes: Counter[int] = Counter()
+
+    def record(self, status: int) -> None:
+        with self._lock:
+            self._codes[status] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            codes = dict(self._codes)
+        return {
+            "since": self.started_at,
+            "requests": sum(codes.values()),
+            "http_2xx": sum(n for c, n in codes.items() if 200 <= c < 300),
+            "http_4xx": sum(n for c, n in codes.items() if 400 <= c < 500),
+            "http_5xx": sum(n for c, n in codes.items() if c >= 500),
+            "by_status": {str(c): n for c, n in sorted(codes.items())},
+        }
+
+
+class StatusCounter:
+    """Counts every response by status; logs each 5xx (method and path, never the query)."""
+
+    def __init__(self, app: ASGIApp, stats: StatusStats) -> None:
+        self.app, self.stats = app, stats
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        seen: list[int] = []
+
+        async def recording_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        except Exception:
+            if not seen:
+                seen.append(500)
+            raise
+        finally:
+            status = seen[0] if seen else 500
+            self.stats.record(status)
+            if status >= 500:
+                log.error("http_5xx status=%d %s %s", status, scope["method"], scope["path"])
+
+
+class AuthGate:
+    """401 for every request without a known bearer token, except the public health check.
+
+    ``identify`` maps a token to a caller (or None); the routes check what that caller may do.
+    """
+
+    def __init__(self, app: ASGIApp, identify: Callable[[str], str | None]) -> None:
+        self.app, self.identify = app, identify
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in PUBLIC_PATHS or _is_ui(path):
+            await self.app(scope, receive, send)
+            return
+        header = _header(scope, b"authorization") or ""
+        if not header.startswith("Bearer "):
+            detail = "missing 'Authorization: Bearer <token>'"
+        elif self.identify(header[len("Bearer ") :]) is None:
+            detail = "unknown token"
+        else:
+            await self.app(scope, receive, send)
+            return
+        await _send_json(
+            send,
+            401,
+            {"error": "unauthenticated", "detail": detail},
+            [(b"www-authenticate", b"Bearer")],
+        )
+
+
+def _is_ui(path: str) -> bool:
+    return path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
+
+
+class BodyLimit:
+    """413 for bodies over the limit, by Content-Length before the first byte is read.
+
+    Starlette's ``RequestBodyLimitMiddleware`` does the work (it also cuts off a streamed
+    body once it passes the limit); this picks the limit by route: the blob routes
+    (``BLOB_ROUTE``) get ``max_blob_bytes``, every JSON route ``max_json_bytes``.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_json_bytes: int, max_blob_bytes: int) -> None:
+        self.json = RequestBodyLimitMiddleware(app, max_json_bytes)
+        self.blob = RequestBodyLimitMiddleware(app, max_blob_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        blob = scope["type"] == "http" and BLOB_ROUTE.match(scope.get("path", ""))
+        await (self.blob if blob else self.json)(scope, receive, send)
