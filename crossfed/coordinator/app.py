@@ -7,6 +7,7 @@ HTTP forward proxy that reaps long connections work the same as direct ones.
 import asyncio
 import hmac
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -16,22 +17,39 @@ from typing import Annotated, Any
 
 import yaml
 from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from crossfed.coordinator.blobs import BlobError, check_key
+from crossfed.coordinator.guards import AuthGate, BodyLimit, StatusCounter, StatusStats
 from crossfed.coordinator.ranged import RangedFile
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
 from crossfed.coordinator.service import Coordinator, CoordinatorError
+from crossfed.coordinator.status_page import add_ui_routes
 
 log = logging.getLogger("crossfed.coordinator")
 ADMIN = "__admin__"
+MAX_INT = 2**63 - 1  # SQLite's INTEGER range
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats spelled as strings, so any echoed input can be sent as JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 class Tokens:
     """Bearer tokens: one per site plus an admin token, compared in constant time."""
 
     def __init__(self, admin: str, sites: dict[str, str]) -> None:
+        self.admin = admin
         self.pairs = [(admin, ADMIN)] + [(tok, site) for site, tok in sites.items()]
 
     @classmethod
@@ -57,7 +75,7 @@ class RegisterBody(BaseModel):
 
 class LeaseBody(BaseModel):
     site: str = Field(min_length=1, max_length=64)
-    round: int = Field(ge=1)
+    round: int = Field(ge=1, le=MAX_INT)
     n_blocks: int = Field(ge=1, le=10_000_000)
     t_step_s: float | None = Field(default=None, ge=0, le=86_400)
     rtt_ms: float | None = Field(default=None, ge=0, le=600_000)
@@ -75,14 +93,14 @@ class SiteBody(BaseModel):
 
 class DeltaBody(BaseModel):
     site: str = Field(min_length=1, max_length=64)
-    lease_id: int = Field(ge=0)
-    generation: int = Field(ge=0)
-    tokens: int = Field(ge=1)
-    steps: int = Field(ge=1)
-    consumed: int = Field(ge=1)
+    lease_id: int = Field(ge=0, le=MAX_INT)
+    generation: int = Field(ge=0, le=MAX_INT)
+    tokens: int = Field(ge=1, le=MAX_INT)
+    steps: int = Field(ge=1, le=MAX_INT)
+    consumed: int = Field(ge=1, le=MAX_INT)
     blob: str = Field(min_length=64, max_length=80)  # "blake3:<hex>", "sha256:<hex>"
-    loss: float | None = None
-    compute_s: float | None = Field(default=None, ge=0)
+    loss: float | None = Field(default=None, allow_inf_nan=False)
+    compute_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 def create_app(
@@ -91,10 +109,14 @@ def create_app(
     *,
     tick_s: float = 0.25,
     max_blob_bytes: int = 8 * 1024**3,
+    max_json_bytes: int = 1024**2,
     max_request_s: float = 120.0,
 ) -> FastAPI:
     """The ASGI app; a background thread ticks the coordinator (lease expiry, round close).
 
+    Every route but ``/v1/health`` needs a bearer token (``AuthGate``), the OpenAPI document
+    included; the Swagger/ReDoc pages are off (they load scripts from a CDN). Bodies over
+    ``max_json_bytes`` (blob routes: ``max_blob_bytes``) are refused with 413 before reading.
     Weight transfers stop after ``max_request_s`` (an upload answers 408 with the offset to
     resume at, a download is cut short); clients move weights in parts well below that.
     """
@@ -115,7 +137,19 @@ def create_app(
         stop.set()
         thread.join(timeout=10)
 
-    app = FastAPI(title="crossfed coordinator", version="1", lifespan=lifespan)
+    app = FastAPI(
+        title="crossfed coordinator",
+        version="1",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
+    stats = StatusStats()
+    app.add_middleware(BodyLimit, max_json_bytes=max_json_bytes, max_blob_bytes=max_blob_bytes)
+    app.add_middleware(AuthGate, identify=tokens.identify)
+    app.add_middleware(StatusCounter, stats=stats)  # outermost: counts the guards' refusals too
+    app.state.http_stats = stats
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:
@@ -132,6 +166,20 @@ def create_app(
     @app.exception_handler(RunSpecError)
     async def _spec_error(_: Request, exc: RunSpecError) -> JSONResponse:
         return JSONResponse(status_code=422, content={"error": "bad_run_spec", "detail": str(exc)})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the input back; a NaN or Infinity in it cannot be JSON
+        detail = _json_safe(jsonable_encoder(exc.errors()))
+        return JSONResponse(status_code=422, content={"error": "invalid_request", "detail": detail})
+
+    @app.exception_handler(OverflowError)
+    async def _overflow(_: Request, exc: OverflowError) -> JSONResponse:
+        # integers past SQLite's 64-bit range (path or query parameters, spec fields)
+        return JSONResponse(
+            status_code=422,
+            content={"error": "out_of_range", "detail": f"a number is out of range: {exc}"},
+        )
 
     def caller(authorization: Annotated[str | None, Header()] = None) -> str:
         if not authorization or not authorization.startswith("Bearer "):
@@ -156,6 +204,27 @@ def create_app(
     async def run(fn, *args, **kwargs) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
+    def own_view(who: str, reply: dict[str, Any]) -> dict[str, Any]:
+        """A site sees its own leases only; the admin sees all."""
+        if who == ADMIN or "active_leases" not in reply:
+            return reply
+        mine = [lease for lease in reply["active_leases"] if lease["site"] == who]
+        return {**reply, "active_leases": mine}
+
+    add_ui_routes(
+        app,
+        coordinator,
+        tokens.admin,
+        lambda token: tokens.identify(token) == ADMIN,
+        stats.snapshot,
+    )
+
+    @app.get("/v1/admin/http")
+    async def http_counts(who: Caller) -> dict[str, Any]:
+        """Responses by status code since this process started (5xx are also logged)."""
+        as_admin(who)
+        return stats.snapshot()
+
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
         return {"ok": True, "run": coordinator.spec is not None}
@@ -167,7 +236,7 @@ def create_app(
 
     @app.get("/v1/status")
     async def status(who: Caller) -> dict[str, Any]:
-        return await run(coordinator.status)
+        return own_view(who, await run(coordinator.status))
 
     @app.get("/v1/ledger")
     async def ledger(who: Caller) -> list[dict[str, Any]]:
@@ -176,7 +245,8 @@ def create_app(
     @app.post("/v1/sites/{site}/register")
     async def register(site: str, body: RegisterBody, who: Caller) -> dict[str, Any]:
         as_site(who, site)
-        return await run(coordinator.register, site, body.digest, body.ranks, body.rtt_ms)
+        reply = await run(coordinator.register, site, body.digest, body.ranks, body.rtt_ms)
+        return own_view(who, reply)
 
     @app.get("/v1/models/{generation}")
     async def model(generation: int, who: Caller) -> RangedFile:
@@ -186,7 +256,10 @@ def create_app(
 
     @app.get("/v1/rounds/{round_no}")
     async def round_info(round_no: int, who: Caller) -> dict[str, Any]:
-        return await run(coordinator.round_info, round_no)
+        info = await run(coordinator.round_info, round_no)
+        if who != ADMIN:  # a site sees its own deltas only
+            info["deltas"] = [d for d in info["deltas"] if d["site"] == who]
+        return info
 
     @app.post("/v1/leases")
     async def lease(body: LeaseBody, who: Caller) -> dict[str, Any]:
@@ -232,6 +305,9 @@ def create_app(
     async def get_blob(key: str, who: Caller) -> RangedFile:
         """A complete blob's bytes (``Range`` requests fetch it in parts)."""
         key = check_key(key)
+        owner = await run(coordinator.delta_site, key)
+        if owner is not None and who not in (ADMIN, owner):
+            raise CoordinatorError(403, "forbidden", "this blob is another site's delta")
         if not coordinator.blobs.exists(key):
             raise CoordinatorError(404, "unknown_blob", f"no blob {key}")
         return RangedFile(coordinator.blobs.path(key), key, max_request_s)

@@ -233,6 +233,50 @@ class Coordinator:
             frame = self.ledger.table3(self.book, ranks, rtt)
             return json.loads(frame.to_json(orient="records"))
 
+    def delta_site(self, key: str) -> str | None:
+        """The site whose accepted delta is blob ``key`` (canonical ``algo:hex``), if any."""
+        forms = [key, key.removeprefix("sha256:")]  # SHA-256 keys may be stored bare
+        with self.lock:
+            row = self.conn.execute(
+                "SELECT site FROM deltas WHERE blob IN (?, ?) LIMIT 1", forms
+            ).fetchone()
+        return row["site"] if row else None
+
+    def sites_view(self) -> list[dict[str, Any]]:
+        """Registered sites: ranks, RTT, last step time and when they were last heard from."""
+        with self.lock:
+            rows = self.conn.execute(
+                "SELECT site, ranks, rtt_ms, t_step_s, last_seen FROM sites ORDER BY site"
+            ).fetchall()
+            return [dict(r) for r in rows]
+
+    def round_history(self) -> list[dict[str, Any]]:
+        """Closed rounds in order: the merge report's figures and each contributor's loss."""
+        with self.lock:
+            self._require_run()
+            losses: dict[int, dict[str, float | None]] = {}
+            for row in self.conn.execute("SELECT round_no, site, loss FROM deltas"):
+                losses.setdefault(row["round_no"], {})[row["site"]] = row["loss"]
+            history = []
+            for row in self.conn.execute(
+                "SELECT round_no, report FROM rounds WHERE status = 'closed' ORDER BY round_no"
+            ):
+                report = json.loads(row["report"]) if row["report"] else {}
+                history.append(
+                    {
+                        "round": row["round_no"],
+                        "generation": report.get("generation"),
+                        "reason": report.get("reason"),
+                        "contributors": report.get("contributors", []),
+                        "tokens": report.get("tokens"),
+                        "global_step": report.get("global_step"),
+                        "loss": report.get("loss"),
+                        "merge_s": report.get("merge_s"),
+                        "site_loss": losses.get(row["round_no"], {}),
+                    }
+                )
+            return history
+
     # ------------------------------------------------------------------ sites
     def _check_site(self, site: str) -> RunSpec:
         spec = self._require_run()
@@ -425,6 +469,9 @@ class Coordinator:
         compute_s: float | None = None,
     ) -> dict[str, Any]:
         """Accept a delta and commit its blocks in ONE transaction; idempotent per lease."""
+        for name, value in (("loss", loss), ("compute_s", compute_s)):
+            if value is not None and not math.isfinite(value):
+                raise CoordinatorError(422, "bad_number", f"{name} must be finite, got {value}")
         with self.lock:
             self._check_site(site)
             assert self.book is not None
