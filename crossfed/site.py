@@ -419,16 +419,15 @@ class SiteRunner:
         lease, generation = start["lease"], start["generation"]
         state = PhaseState.from_dict(cursor) if cursor else PhaseState()
         resumed_at = state.windows
-        beat_cls = Heartbeat if self.ranks.main else None
-        beat = (
-            beat_cls(self.client, self.s.site, lease, self.s.heartbeat_s)
-            if beat_cls is not None
-            else _LocalBeat(lease)
-        )
+        beat: Heartbeat | _LocalBeat = _LocalBeat(lease)
+        if self.ranks.main:
+            assert self.client is not None
+            beat = Heartbeat(self.client, self.s.site, lease, self.s.heartbeat_s)
         beat.consumed = max(beat.consumed, lease.get("consumed", 0))
         # the heartbeat runs until the delta is in: a commit needs a live lease
         with beat:
             state = self._train(round_no, start, state, beat)
+            result = PhaseResult.of(state)
             outcome = RoundOutcome(
                 self.s.site,
                 round_no,
@@ -439,11 +438,11 @@ class SiteRunner:
                 steps=state.steps,
                 tokens=state.tokens,
                 windows=state.windows,
-                loss_mean=PhaseResult.of(state).loss_mean,
-                loss_last=PhaseResult.of(state).loss_last,
+                loss_mean=result.loss_mean,
+                loss_last=result.loss_last,
                 compute_s=state.compute_s,
                 download_s=start["download_s"],
-                step_s=PhaseResult.of(state).step_s,
+                step_s=result.step_s,
                 rtt_ms=start["rtt_ms"],
                 tokens_per_s=state.tokens / state.compute_s if state.compute_s else 0.0,
                 accumulation=self.s.inner.accumulation,
