@@ -43,16 +43,27 @@ def quantize_int8(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """Blockwise symmetric int8: values (shaped like ``x``) and one fp32 scale per block."""
     if block < 1:
         raise CodecError(f"block size must be >= 1, got {block}")
-    flat = x.detach().reshape(-1).float()
+    flat = x.detach().reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
     n = flat.numel()
-    n_blocks = math.ceil(n / block)
-    if n_blocks * block != n:
-        flat = torch.cat([flat, flat.new_zeros(n_blocks * block - n)])
-    blocks = flat.view(n_blocks, block)
-    scale = blocks.abs().amax(dim=1) / 127.0
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(blocks * inverse[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.view(-1)[:n].reshape(x.shape), scale
+    full = n // block
+    q = torch.empty(n, dtype=torch.int8)
+    scale = torch.empty(math.ceil(n / block), dtype=torch.float32)
+    if full:
+        _quantize_blocks(flat[: full * block].view(full, block), q[: full * block], scale[:full])
+    if full * block < n:  # the last, shorter block
+        _quantize_blocks(flat[full * block :].view(1, -1), q[full * block :], scale[full:])
+    return q.view(x.shape), scale
+
+
+def _quantize_blocks(blocks: Tensor, q_out: Tensor, scale_out: Tensor) -> None:
+    """One scale per row: max|x| / 127 (no temporary |x| copy); a zero row stays zero."""
+    scale = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).div_(127.0)
+    inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
+    scaled = blocks * inverse[:, None]
+    q_out.copy_(scaled.round_().clamp_(-127, 127).view(-1))
+    scale_out.copy_(scale)
 
 
 def dequantize_int8(q: Tensor, scale: Tensor, block: int = BLOCK) -> Tensor:

@@ -66,6 +66,7 @@ def site_settings(
         ),
         heartbeat_s=config["darl"]["heartbeat_s"],
         inline_max_bytes=config["transport"]["inline_max_bytes"],
+        compress=config["transport"]["compress"],
         device=config["model"]["device"],
         launcher=config["launcher"]["kind"],
         parallel=ParallelConfig(

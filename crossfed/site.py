@@ -69,7 +69,7 @@ from crossfed.train.inner import (
 from crossfed.train.model import build_model, flops_per_token
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
-from crossfed.transport import delta_of, save_atomic
+from crossfed.transport import open_tensors, save_delta
 
 log = logging.getLogger("crossfed.site")
 
@@ -86,6 +86,8 @@ class SiteSettings:
     inner: InnerConfig
     heartbeat_s: float = 1.0
     inline_max_bytes: int = 2 * 1024**3
+    #: delta codec on the wire: "none" (bf16) or "int8" (blockwise, about half the bytes)
+    compress: str = "none"
     device: str = "cpu"
     log_every: int = 5
     lease_wait_s: float = 60.0
@@ -493,9 +495,15 @@ class SiteRunner:
         )
         pending = None
         if self.ranks.main:
-            delta = delta_of(params, load_file(start["model_path"]))
             delta_path = self.dir / f"delta-r{round_no:05d}.safetensors"
-            save_atomic(delta, delta_path, {"site": self.s.site, "round": str(round_no)})
+            with open_tensors(Path(start["model_path"])) as reference:  # tensor by tensor
+                key = save_delta(
+                    params,
+                    reference,
+                    delta_path,
+                    {"site": self.s.site, "round": str(round_no)},
+                    codec=self.s.compress,
+                )
             pending = {
                 "round": round_no,
                 "lease_id": start["lease"]["lease_id"],
@@ -506,6 +514,7 @@ class SiteRunner:
                 "loss": PhaseResult.of(state).loss_mean,
                 "compute_s": state.compute_s,
                 "delta": str(delta_path),
+                "key": key,
             }
             self._write_pending(pending)
         del params
@@ -640,6 +649,7 @@ class SiteRunner:
                 pending["round"],
                 path,
                 inline=inline,
+                key=pending.get("key"),  # digest computed while the file was written
                 site=self.s.site,
                 lease_id=pending["lease_id"],
                 generation=pending["generation"],

@@ -16,13 +16,15 @@ import json
 import os
 import re
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import blake3
 import torch
+from safetensors import safe_open
 
 #: default inline/blob threshold: the paper's 2 GiB message cap
 INLINE_MAX_BYTES = 2 * 1024**3
@@ -274,14 +276,16 @@ def save_delta(
 ) -> str:
     """Write the delta tensor by tensor (bf16, or ``codec``-compressed); returns its digest.
 
-    Only one tensor's fp32 delta exists at a time, so a site never holds a second model.
+    Only one tensor's fp32 delta exists at a time and ``global_params`` may be lazy
+    (:func:`open_tensors`: each reference tensor is read when its delta is made), so a site
+    never holds a second copy of the model. Tensor names come from ``global_params``.
     """
     from crossfed import compress  # compress imports this module
 
     encoder = compress.encoder(codec)
     specs: list[TensorSpec] = []
-    for name, ref in global_params.items():
-        specs.extend(encoder.specs(name, tuple(ref.shape)))
+    for name in global_params.keys():
+        specs.extend(encoder.specs(name, tuple(site_params[name].shape)))
     meta = {**dict(metadata or {}), **encoder.metadata()}
     current: dict[str, torch.Tensor] = {}
 
@@ -294,6 +298,32 @@ def save_delta(
         return current.pop(spec.name)
 
     return save_stream(path, specs, produce, meta)
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Read-once view of an open safetensors file: a tensor is loaded when asked for."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self._names = list(handle.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+@contextmanager
+def open_tensors(path: Path) -> Iterator[LazyTensors]:
+    """A safetensors file as a lazy mapping (no tensor is read until it is asked for)."""
+    with safe_open(str(path), framework="pt") as handle:
+        yield LazyTensors(handle)
 
 
 def iter_chunks(path: Path, start: int = 0, end: int | None = None) -> Iterable[bytes]:

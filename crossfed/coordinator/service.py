@@ -141,7 +141,6 @@ class Coordinator:
         digest = store.get_meta(self.conn, f"global_digest:{generation}")
         if digest is None:  # written before digests were recorded
             digest = digest_file(path)
-            store.set_meta(self.conn, f"global_digest:{generation}", digest)
         return path, digest
 
     def _write_generation(self, generation: int) -> None:
