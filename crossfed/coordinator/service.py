@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +38,10 @@ log = logging.getLogger("crossfed.coordinator")
 MOMENTUM = "momentum::"
 BLOB_GRACE_S = 3600.0  # an uploaded blob no delta refers to is deleted after this long
 _MODEL_FILE = re.compile(r"^(master|global)-(\d{6,})\.safetensors$")
+MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
+PACE_LIVE_S = 3600.0  # sites seen within this long count towards the mean pace
+PACE_MAX_SCALE = 4.0  # a grant is at most this many times the requested phase
+RESEND_FIELDS = ("site", "blob", "round_no", "generation", "tokens", "steps", "consumed")
 
 
 class CoordinatorError(Exception):
@@ -66,6 +71,8 @@ class Coordinator:
         self.book: LeaseBook | None = None
         self.master: dict[str, torch.Tensor] = {}
         self.momentum: dict[str, torch.Tensor] = {}
+        self._echoes: dict[str, tuple[int, float]] = {}  # site -> (nonce, perf_counter at reply)
+        self._rtt_ms: dict[str, float] = {}  # RTT the coordinator measured per site (smoothed)
         spec = store.get_meta(self.conn, "spec")
         if spec is not None:
             self._load(RunSpec.from_dict(spec))
@@ -77,6 +84,9 @@ class Coordinator:
         self.space = BlockSpace(spec.n_windows, spec.block_size, spec.data_seed)
         self.book = LeaseBook(self.space.n_blocks)
         replayed = self.ledger.replay(self.book)
+        if self.book.active_leases():  # sites could not heartbeat while we were down
+            with self._mutation():
+                self._event("grace", {"now": self.clock()})
         generation = store.get_meta(self.conn, "generation", 0)
         tensors = load_file(str(self._master_path(generation)))
         self.master = {k: v for k, v in tensors.items() if not k.startswith(MOMENTUM)}
@@ -320,9 +330,17 @@ class Coordinator:
             }
 
     @contextmanager
-    def _mutation(self) -> Iterator[None]:
+    def _mutation(self, *, fsync: bool = True) -> Iterator[None]:
         """One SQLite transaction for DARL events and our rows; on failure the in-memory lease
-        book is rebuilt from the ledger so it never runs ahead of what is on disk."""
+        book is rebuilt from the ledger so it never runs ahead of what is on disk.
+
+        ``fsync=False`` commits with synchronous=NORMAL: the WAL frames reach the OS before
+        the reply, so they survive a SIGKILL of the coordinator, but are fsynced only by the
+        next fsync'ed commit. Heartbeats use it (a TTL refresh and a progress report); grants
+        and commits never do.
+        """
+        if not fsync:
+            self.conn.execute("PRAGMA synchronous=NORMAL")
         try:
             with store.Transaction(self.conn):
                 yield
@@ -333,6 +351,9 @@ class Coordinator:
             self.book = LeaseBook(self.space.n_blocks)
             self.ledger.replay(self.book)
             raise
+        finally:
+            if not fsync:
+                self.conn.execute("PRAGMA synchronous=FULL")
 
     def _event(self, op: str, args: dict[str, Any]) -> Any:
         """Apply one DARL command to the lease book and record it (inside a transaction)."""
@@ -341,12 +362,36 @@ class Coordinator:
         self.ledger.record(op, args)
         return result
 
-    def _ttl(self, t_step_s: float | None, rtt_ms: float | None) -> float:
+    def _ttl(self, site: str, t_step_s: float | None, rtt_ms: float | None) -> float:
+        """TTL = max(min_ttl_s, alpha * t_step + beta_rtt * RTT); initial_ttl_s before the
+        site has reported a step time. RTT is the larger of the site's own figure and the
+        one this coordinator measured (``_measure_rtt``)."""
         policy = self._require_run().leases
         if not t_step_s:
             return policy.initial_ttl_s
-        ttl = lease_ttl(t_step_s, (rtt_ms or 0.0) / 1000.0, policy.alpha, policy.beta_rtt)
+        rtt = max(rtt_ms or 0.0, self._rtt_ms.get(site, 0.0))
+        ttl = lease_ttl(t_step_s, rtt / 1000.0, policy.alpha, policy.beta_rtt)
         return max(policy.min_ttl_s, ttl)
+
+    def _echo(self, site: str) -> int:
+        """A nonce for the reply; the site returns it with its next heartbeat."""
+        nonce = secrets.randbits(52)
+        self._echoes[site] = (nonce, time.perf_counter())
+        return nonce
+
+    def _measure_rtt(self, site: str, echo: int | None, held_s: float | None) -> None:
+        """RTT as the coordinator sees it, NTP-style: the time from our reply carrying
+        ``echo`` to the request returning it, minus the ``held_s`` the site kept it
+        (between receiving that reply and sending this request). It covers the network both
+        ways plus this server's own queueing, which is what a heartbeat must get through
+        within a TTL. Smoothed like TCP's SRTT (weight 1/4 on the new sample)."""
+        sent = self._echoes.pop(site, None)
+        if sent is None or echo is None or held_s is None or sent[0] != echo:
+            return
+        sample = (time.perf_counter() - sent[1] - held_s) * 1000.0
+        sample = min(max(sample, 0.0), MAX_RTT_MS)
+        old = self._rtt_ms.get(site)
+        self._rtt_ms[site] = sample if old is None else 0.75 * old + 0.25 * sample
 
     def _lease_view(self, lease: Lease) -> dict[str, Any]:
         assert self.space is not None
@@ -367,7 +412,11 @@ class Coordinator:
     def lease(
         self, site: str, round_no: int, n_blocks: int, t_step_s: float | None, rtt_ms: float | None
     ) -> dict[str, Any]:
-        """Grant a span of blocks for ``round_no`` (or steal one when the pool is dry)."""
+        """Grant a span of blocks for ``round_no`` (or steal one when the pool is dry).
+
+        ``n_blocks`` is the site's inner phase; the grant is sized by its measured commit
+        rate (``LeaseBook.grant_size``), so it may be larger or smaller.
+        """
         with self.lock:
             self._check_site(site)
             assert self.book is not None
@@ -390,11 +439,16 @@ class Coordinator:
                     f"site {site} already contributed to round {round_no}",
                 )
             now = self.clock()
-            ttl = self._ttl(t_step_s, rtt_ms)
+            ttl = self._ttl(site, t_step_s, rtt_ms)
             try:
+                size = self.book.grant_size(
+                    site, n_blocks, now, live_s=PACE_LIVE_S, max_scale=PACE_MAX_SCALE
+                )
                 with self._mutation():
-                    args = {"site": site, "n_blocks": n_blocks, "now": now, "ttl_s": ttl}
-                    lease = self._event("grant", {**args, "round_no": round_no})
+                    args = {"site": site, "n_blocks": size, "now": now, "ttl_s": ttl}
+                    lease = self._event(
+                        "grant", {**args, "round_no": round_no, "requested": n_blocks}
+                    )
                     if lease is None:
                         lease = self._event(
                             "steal", {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
@@ -411,16 +465,29 @@ class Coordinator:
             return {"lease": self._lease_view(lease), "generation": current["generation"]}
 
     def heartbeat(
-        self, lease_id: int, site: str, consumed: int, t_step_s: float | None
+        self,
+        lease_id: int,
+        site: str,
+        consumed: int,
+        t_step_s: float | None,
+        echo: int | None = None,
+        echo_held_s: float | None = None,
     ) -> dict[str, Any]:
-        """Refresh a lease's TTL and record progress; the reply shows any steal."""
+        """Refresh a lease's TTL and record progress; the reply shows any steal.
+
+        The reply's ``echo`` nonce comes back with the next heartbeat (with ``echo_held_s``,
+        how long the site held it) so the coordinator measures the RTT itself. A heartbeat
+        is committed without fsync (``_mutation(fsync=False)``): it survives a SIGKILL, and
+        a restart renews every active lease anyway (the ``grace`` event).
+        """
         with self.lock:
             self._check_site(site)
+            self._measure_rtt(site, echo, echo_held_s)
             now = self.clock()
             row = self.conn.execute("SELECT rtt_ms FROM sites WHERE site = ?", (site,)).fetchone()
-            ttl = self._ttl(t_step_s, row["rtt_ms"] if row else None)
+            ttl = self._ttl(site, t_step_s, row["rtt_ms"] if row else None)
             try:
-                with self._mutation():
+                with self._mutation(fsync=False):
                     lease = self._event(
                         "heartbeat",
                         {
@@ -438,7 +505,12 @@ class Coordinator:
                     )
             except LeaseError as exc:
                 raise CoordinatorError(409, exc.code, str(exc)) from exc
-            return {"lease": self._lease_view(lease), "round": self.current_round()["round_no"]}
+            return {
+                "lease": self._lease_view(lease),
+                "round": self.current_round()["round_no"],
+                "echo": self._echo(site),
+                "rtt_ms": self._rtt_ms.get(site),
+            }
 
     def release(self, lease_id: int, site: str) -> dict[str, Any]:
         with self.lock:
@@ -471,6 +543,16 @@ class Coordinator:
         for name, value in (("loss", loss), ("compute_s", compute_s)):
             if value is not None and not math.isfinite(value):
                 raise CoordinatorError(422, "bad_number", f"{name} must be finite, got {value}")
+        # the delta check reads every tensor: done before taking the lock, so heartbeats and
+        # grants are not held up; it needs only the master's names and shapes, which never
+        # change. Its verdict is given where the checks below would have reached it.
+        checked, rejected = False, None
+        if self._require_run() and self.blobs.exists(blob):  # blobs are immutable by key
+            try:
+                self._validate_delta_blob(blob)
+            except CoordinatorError as exc:
+                rejected = exc
+            checked = True
         with self.lock:
             self._check_site(site)
             assert self.book is not None
@@ -478,7 +560,10 @@ class Coordinator:
                 "SELECT * FROM deltas WHERE lease_id = ?", (lease_id,)
             ).fetchone()
             if previous is not None:
-                if previous["site"] != site or previous["blob"] != blob:
+                # a resend after a crash repeats the checkpointed request exactly; anything
+                # else on a used lease is a forged or altered replay and changes nothing
+                sent = (site, blob, round_no, generation, tokens, steps, consumed)
+                if sent != tuple(previous[k] for k in RESEND_FIELDS):
                     raise CoordinatorError(
                         409, "lease_used", f"lease {lease_id} already carried a different delta"
                     )
@@ -512,7 +597,10 @@ class Coordinator:
                 )
             if not self.blobs.exists(blob):
                 raise CoordinatorError(404, "unknown_blob", f"no blob {blob}; upload it first")
-            self._validate_delta_blob(blob)
+            if not checked:  # it arrived while we were looking
+                self._validate_delta_blob(blob)
+            if rejected is not None:
+                raise rejected
             now = self.clock()
             try:
                 with self._mutation():
@@ -585,7 +673,8 @@ class Coordinator:
                 return None
             assert self.book is not None
             now = self.clock()
-            if any(lease.expires_at <= now for lease in self.book.active_leases()):
+            next_expiry = self.book.next_expiry()
+            if next_expiry is not None and next_expiry <= now:
                 with self._mutation():
                     expired = self._event("expire", {"now": now})
                 for lease in expired:
@@ -597,11 +686,7 @@ class Coordinator:
                     )
             current = self.current_round()
             deltas = store.round_deltas(self.conn, current["round_no"])
-            active = [
-                lease
-                for lease in self.book.active_leases()
-                if lease.round_no == current["round_no"]
-            ]
+            active = self.book.active_sites(current["round_no"])
             reason = close_decision(
                 opened_at=current["opened_at"],
                 now=now,
