@@ -157,11 +157,14 @@ class Heartbeat:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        echo, received = None, 0.0  # the last reply's nonce, for the coordinator's RTT
         while not self._stop.wait(self.interval_s):
             try:
+                held = time.perf_counter() - received if echo is not None else None
                 reply = self.client.heartbeat(
-                    self.lease_id, self.site, self.consumed, self.t_step_s
+                    self.lease_id, self.site, self.consumed, self.t_step_s, echo, held
                 )
+                echo, received = reply.get("echo"), time.perf_counter()
             except Refused as exc:
                 self.lost = f"{exc.code}: {exc.detail}"
                 return

@@ -151,12 +151,20 @@ class CoordinatorClient:
         return self.post("/v1/leases", body)
 
     def heartbeat(
-        self, lease_id: int, site: str, consumed: int, t_step_s: float | None
+        self,
+        lease_id: int,
+        site: str,
+        consumed: int,
+        t_step_s: float | None,
+        echo: int | None = None,
+        echo_held_s: float | None = None,
     ) -> dict[str, Any]:
-        return self.post(
-            f"/v1/leases/{lease_id}/heartbeat",
-            {"site": site, "consumed": consumed, "t_step_s": t_step_s},
-        )
+        """Refresh a lease; ``echo``/``echo_held_s`` return the previous reply's nonce and how
+        long it was held, so the coordinator can measure the round trip."""
+        body = {"site": site, "consumed": consumed, "t_step_s": t_step_s}
+        if echo is not None:
+            body |= {"echo": echo, "echo_held_s": echo_held_s}
+        return self.post(f"/v1/leases/{lease_id}/heartbeat", body)
 
     def release(self, lease_id: int, site: str) -> dict[str, Any]:
         return self.post(f"/v1/leases/{lease_id}/release", {"site": site})
