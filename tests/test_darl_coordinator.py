@@ -1,0 +1,356 @@
+"""DARL through the real coordinator: steals, epochs, RTT and TTL, forged and replayed
+commits, a SIGKILLed coordinator, and site processes killed around their checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from crossfed.coordinator.client import Refused
+from crossfed.darl.blockspace import BlockSpace
+from crossfed.darl.ledger import COMMITTED_TABLE
+from crossfed.train.windows import read_meta
+from tests.conftest import REPO, LiveCoordinator, tiny_spec
+from tests.test_coordinator_http import delta_file, global_model, wait_round_closed
+
+BLOCK = 4096  # big blocks: the tiny corpus is M = 14 of them
+
+
+def space_of(data: Path, block_size: int = BLOCK) -> BlockSpace:
+    return BlockSpace(read_meta(data)["n_windows"], block_size, 7)
+
+
+@pytest.fixture
+def darl(coordinator: LiveCoordinator, tiny_data: Path) -> LiveCoordinator:
+    """A coordinator serving the tiny corpus in M = 14 blocks."""
+    coordinator.client().init_run(tiny_spec(tiny_data, block_size=BLOCK).to_dict())
+    return coordinator
+
+
+def join(live: LiveCoordinator, site: str, data: Path) -> None:
+    live.client(site).register(site, space_of(data).digest(), 1, 1.0)
+
+
+def lease(live: LiveCoordinator, site: str, n: int, round_no: int = 1, t_step: float = 4.0):
+    return live.client(site).lease(site, round_no, n, t_step, 1.0)["lease"]
+
+
+def commit(live, site, held, path, consumed=None, round_no=1, generation=0, **kw) -> dict:
+    return live.client(site, **kw).submit_delta(
+        round_no,
+        path,
+        inline=False,
+        site=site,
+        lease_id=held["lease_id"],
+        generation=generation,
+        tokens=1000,
+        steps=4,
+        consumed=held["n_blocks"] if consumed is None else consumed,
+    )
+
+
+def audit(live: LiveCoordinator) -> list[tuple]:
+    with sqlite3.connect(live.state_dir / "state.sqlite") as conn:
+        return conn.execute(
+            f"SELECT epoch, block, site, lease_id FROM {COMMITTED_TABLE} ORDER BY epoch, block"
+        ).fetchall()
+
+
+def deltas(live: LiveCoordinator) -> list[tuple]:
+    with sqlite3.connect(live.state_dir / "state.sqlite") as conn:
+        return conn.execute("SELECT lease_id, site, consumed, blob FROM deltas").fetchall()
+
+
+def ledger(live: LiveCoordinator) -> dict[str, dict]:
+    return {row["site"]: row for row in live.client().ledger()}
+
+
+def active(live: LiveCoordinator) -> dict[int, dict]:
+    return {x["lease_id"]: x for x in live.client().status()["active_leases"]}
+
+
+def state(live: LiveCoordinator) -> tuple:
+    """Everything a commit could change."""
+    status = live.client().status()
+    status.pop("active_leases")
+    return audit(live), deltas(live), ledger(live), status, active(live)
+
+
+# ------------------------------------------------------------------ steal and epochs
+def test_steal_reaches_the_victim_and_the_epoch_rolls_over(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    space = space_of(tiny_data)
+    assert space.n_blocks == 14
+    g0 = global_model(darl, 0, tmp_path)
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    big = lease(darl, "snellius", 14)
+    assert big["blocks"] == space.permutation(0)[:14].tolist()
+    darl.client("snellius").heartbeat(big["lease_id"], "snellius", 2, 4.0)
+    # the pool is dry: lumi steals the untouched tail of the largest lease (rest 11 -> 6)
+    stolen = lease(darl, "lumi", 4)
+    assert stolen["blocks"] == big["blocks"][8:]
+    # the victim learns it on its next heartbeat and stops before the stolen part
+    beat = darl.client("snellius").heartbeat(big["lease_id"], "snellius", 3, 4.0)
+    assert beat["lease"]["n_blocks"] == 8 and beat["lease"]["blocks"] == big["blocks"][:8]
+    with pytest.raises(Refused) as refused:  # past the new end: refused, nothing committed
+        commit(darl, "snellius", big, delta_file(tmp_path, g0, name="a"), consumed=9)
+    assert refused.value.status == 422 and audit(darl) == []
+    assert commit(darl, "snellius", beat["lease"], delta_file(tmp_path, g0, name="a"))["accepted"]
+    assert commit(darl, "lumi", stolen, delta_file(tmp_path, g0, seed=1, name="b"))["accepted"]
+    # every block of epoch 0 committed exactly once, by the site that trained it
+    rows = audit(darl)
+    assert [r[1] for r in rows] == list(range(14))
+    owner = {block: site for _, block, site, _ in rows}
+    assert {b for b, s in owner.items() if s == "snellius"} == set(big["blocks"][:8])
+    assert {b for b, s in owner.items() if s == "lumi"} == set(big["blocks"][8:])
+    status = darl.client().status()
+    assert status["epoch"] == 1 and status["blocks_committed_in_epoch"] == 0
+    assert status["blocks_committed_total"] == 14
+    table = ledger(darl)
+    assert table["snellius"]["blocks_granted"] == 8 and table["lumi"]["blocks_granted"] == 6
+    assert table["total"]["blocks_committed"] == 14 and table["total"]["blocks_lost"] == 0
+    # the next epoch walks the permutation derived from (s, epoch 1)
+    wait_round_closed(darl, 1)
+    join(darl, "frontier", tiny_data)
+    nxt = lease(darl, "frontier", 3, round_no=2)
+    assert nxt["epoch"] == 1
+    assert nxt["blocks"] == space.permutation(1)[:3].tolist()
+    assert nxt["blocks"] != space.permutation(0)[:3].tolist()
+
+
+# ------------------------------------------------------------------ RTT and TTL
+def test_coordinator_measures_rtt_itself_and_the_ttl_uses_it(
+    darl: LiveCoordinator, tiny_data: Path
+) -> None:
+    join(darl, "snellius", tiny_data)
+    held = lease(darl, "snellius", 2, t_step=0.4)
+    site = darl.client("snellius")
+    first = site.heartbeat(held["lease_id"], "snellius", 0, 0.4)
+    assert first["rtt_ms"] is None and isinstance(first["echo"], int)
+    # a site that hides 0.6 s of its own delay: the coordinator still sees the full trip
+    time.sleep(0.6)
+    lied = site.heartbeat(held["lease_id"], "snellius", 1, 0.4, first["echo"], 0.0)
+    assert lied["rtt_ms"] >= 600
+    # TTL = alpha * t_step + beta * RTT (2.5 and 2.0), above the 2 s floor here
+    assert lied["lease"]["ttl_s"] == pytest.approx(2.5 * 0.4 + 2.0 * lied["rtt_ms"] / 1000)
+    received = time.perf_counter()
+    time.sleep(0.3)
+    honest = site.heartbeat(
+        held["lease_id"], "snellius", 1, 0.4, lied["echo"], time.perf_counter() - received
+    )
+    assert honest["rtt_ms"] < lied["rtt_ms"]  # the honest sample pulls the average down
+    stale = site.heartbeat(held["lease_id"], "snellius", 1, 0.4, first["echo"], 0.0)
+    assert stale["rtt_ms"] == honest["rtt_ms"]  # a nonce is good for one measurement only
+
+
+def test_grants_follow_measured_commit_rates(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    g0 = global_model(darl, 0, tmp_path)
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    fast, slow = lease(darl, "snellius", 2), lease(darl, "lumi", 2)
+    assert commit(darl, "snellius", fast, delta_file(tmp_path, g0, name="a"))["accepted"]
+    time.sleep(1.0)  # lumi takes far longer for the same two blocks
+    assert commit(darl, "lumi", slow, delta_file(tmp_path, g0, seed=1, name="b"))["accepted"]
+    wait_round_closed(darl, 1)
+    # same request, different grants: the faster committer gets more, the slower fewer
+    big, small = lease(darl, "snellius", 2, round_no=2), lease(darl, "lumi", 2, round_no=2)
+    assert big["n_blocks"] > 2 and small["n_blocks"] == 1
+
+
+# ------------------------------------------------------------------ forged and replayed
+def test_forged_and_replayed_commits_are_refused_and_change_nothing(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    g0 = global_model(darl, 0, tmp_path)
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    mine, theirs = lease(darl, "lumi", 2), lease(darl, "snellius", 3)
+    path = delta_file(tmp_path, g0, name="d")
+    before = state(darl)
+    forgeries = [
+        (lambda: commit(darl, "lumi", theirs, path), 403),  # someone else's lease
+        (lambda: commit(darl, "lumi", {**mine, "lease_id": 999}, path), 404),  # no such lease
+        (lambda: commit(darl, "lumi", mine, path, consumed=3), 422),  # more than it holds
+    ]
+    for forge, status in forgeries:
+        with pytest.raises(Refused) as refused:
+            forge()
+        assert refused.value.status == status
+        assert state(darl) == before
+    # another site's name under one's own token, or no valid token at all
+    body = {
+        "site": "snellius",
+        "lease_id": theirs["lease_id"],
+        "generation": 0,
+        "tokens": 1000,
+        "steps": 4,
+        "consumed": 3,
+        "blob": "0" * 64,
+    }
+    for headers, status in (
+        ({"Authorization": f"Bearer {darl.secrets['sites']['lumi']}"}, 403),
+        ({"Authorization": "Bearer forged"}, 401),
+        ({}, 401),
+    ):
+        answer = httpx.post(f"{darl.url}/v1/rounds/1/deltas", json=body, headers=headers)
+        assert answer.status_code == status
+        assert state(darl) == before
+    # the real commit, then replays of it: the same one is a no-op, a different one refused
+    first = commit(darl, "lumi", mine, path)
+    assert first["accepted"] and not first["already"]
+    after = state(darl)
+    assert len(after[0]) == 2 and after != before
+    assert commit(darl, "lumi", mine, path)["already"] is True
+    assert state(darl) == after
+    other = delta_file(tmp_path, g0, seed=5, name="other")
+    for replay, status in (
+        (lambda: commit(darl, "lumi", mine, other), 409),  # a different delta on a used lease
+        (lambda: commit(darl, "snellius", mine, path), 409),  # replayed by another site
+        (lambda: commit(darl, "lumi", mine, path, consumed=1), 409),  # altered progress
+    ):
+        with pytest.raises(Refused) as refused:
+            replay()
+        assert refused.value.status == status
+        assert state(darl) == after
+    # a made-up generation is refused and hands the lease back without committing it
+    with pytest.raises(Refused) as refused:
+        commit(darl, "snellius", theirs, path, generation=1)
+    assert refused.value.code == "stale_generation"
+    assert audit(darl) == after[0] and deltas(darl) == after[1]
+    assert theirs["lease_id"] not in active(darl)
+    assert ledger(darl)["snellius"]["blocks_lost"] == 3
+
+
+# ------------------------------------------------------------------ a SIGKILLed coordinator
+def test_sigkilled_coordinator_loses_nothing_and_renews_active_leases(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    g0 = global_model(darl, 0, tmp_path)
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    running = lease(darl, "snellius", 4, t_step=0.1)  # TTL: the 2 s floor
+    done = lease(darl, "lumi", 3)
+    darl.client("snellius").heartbeat(running["lease_id"], "snellius", 2, 0.1)
+    assert commit(darl, "lumi", done, delta_file(tmp_path, g0, name="a"))["accepted"]
+    before = state(darl)
+    darl.kill()
+    time.sleep(3.0)  # longer than the running lease's TTL
+    started = time.time()
+    darl.restart()
+    after = state(darl)
+    assert after[:3] == before[:3]  # audit, deltas and Table 3: nothing lost or doubled
+    renewed = after[4][running["lease_id"]]
+    assert renewed["consumed"] == 2  # the unsynced heartbeat survived the SIGKILL
+    assert renewed["expires_at"] >= started + renewed["ttl_s"]  # the restart grace
+    time.sleep(0.5)  # a tick or two: the renewed lease is not expired
+    beat = darl.client("snellius").heartbeat(running["lease_id"], "snellius", 4, 0.1)
+    assert beat["lease"]["status"] == "active"
+    last = delta_file(tmp_path, g0, seed=1, name="b")
+    assert commit(darl, "snellius", running, last)["accepted"]
+    assert len(audit(darl)) == 7
+    assert ledger(darl)["total"]["ttl_expiries"] == 0
+
+
+# ------------------------------------------------------------------ killed site processes
+def run_site(live: LiveCoordinator, site: str, data: Path, work: Path, delta: Path, *extra):
+    work.mkdir(parents=True, exist_ok=True)
+    token = work / f"{site}.token"
+    token.write_text(live.secrets["sites"][site])
+    cmd = [
+        sys.executable,
+        str(REPO / "tests" / "darl_chaos_site.py"),
+        "--url",
+        live.url,
+        "--token-file",
+        str(token),
+        "--site",
+        site,
+        "--work",
+        str(work / site),
+        "--digest",
+        space_of(data).digest(),
+        "--delta",
+        str(delta),
+        "--want",
+        "3",
+        "--per-block",
+        "0.05",
+        "--once",
+        *extra,
+    ]
+    return subprocess.run(cmd, cwd=REPO, timeout=120, capture_output=True, text=True)
+
+
+def journal(work: Path, site: str) -> list[dict]:
+    path = work / site / "journal.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_site_killed_after_its_checkpoint_commits_exactly_once_after_restart(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    g0 = global_model(darl, 0, tmp_path)
+    delta = tmp_path / "delta.safetensors"
+    save_file({k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in g0.items()}, str(delta))
+    work = tmp_path / "sites"
+    killed = run_site(darl, "snellius", tiny_data, work, delta, "--die", "after_checkpoint")
+    assert killed.returncode == -9, killed.stderr
+    pending = work / "snellius" / "pending.json"
+    record = json.loads(pending.read_text())
+    assert audit(darl) == [] and deltas(darl) == []  # checkpointed, not committed
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    shutil.copy(pending, keep / "pending.json")
+    shutil.copy(record["delta"], keep / "delta")
+    again = run_site(darl, "snellius", tiny_data, work, delta)
+    assert again.returncode == 0, again.stderr
+    rows = audit(darl)
+    assert [(r[1], r[3]) for r in rows] == sorted((b, record["lease_id"]) for b in record["blocks"])
+    events = [e["ev"] for e in journal(work, "snellius")]
+    assert events[-3:] == ["start", "resend", "commit"]
+    # the same checkpoint resent once more (a crash right after the commit): a no-op
+    shutil.copy(keep / "pending.json", pending)
+    shutil.copy(keep / "delta", record["delta"])
+    table = ledger(darl)
+    assert run_site(darl, "snellius", tiny_data, work, delta).returncode == 0
+    assert journal(work, "snellius")[-1]["already"] is True
+    assert audit(darl) == rows and len(deltas(darl)) == 1 and ledger(darl) == table
+
+
+def test_site_killed_before_its_checkpoint_loses_only_its_lease(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    g0 = global_model(darl, 0, tmp_path)
+    delta = tmp_path / "delta.safetensors"
+    save_file({k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in g0.items()}, str(delta))
+    work = tmp_path / "sites"
+    killed = run_site(darl, "lumi", tiny_data, work, delta, "--die", "before_checkpoint")
+    assert killed.returncode == -9, killed.stderr
+    assert not (work / "lumi" / "pending.json").exists()
+    lost = next(e for e in journal(work, "lumi") if e["ev"] == "lease")
+    deadline = time.monotonic() + 30
+    while ledger(darl)["lumi"]["ttl_expiries"] == 0:  # the 2 s TTL runs out
+        assert time.monotonic() < deadline, "the dead site's lease never expired"
+        time.sleep(0.2)
+    row = ledger(darl)["lumi"]
+    assert row["blocks_lost"] == row["blocks_granted"] == len(lost["blocks"])
+    assert row["blocks_committed"] == 0 and audit(darl) == []
+    # the blocks are back in the pool: the next site gets exactly them and commits them once
+    assert run_site(darl, "frontier", tiny_data, work, delta).returncode == 0
+    got = next(e for e in journal(work, "frontier") if e["ev"] == "lease")
+    assert got["blocks"] == lost["blocks"]
+    assert sorted(r[1] for r in audit(darl)) == sorted(lost["blocks"])
