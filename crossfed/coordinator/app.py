@@ -36,9 +36,11 @@ MAX_INT = 2**63 - 1  # SQLite's INTEGER range
 
 
 def _json_safe(value: Any) -> Any:
-    """Non-finite floats spelled as strings, so any echoed input can be sent as JSON."""
+    """Echoed input made sendable as JSON: non-finite floats and raw bytes become strings."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
     if isinstance(value, dict):
         return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -180,7 +182,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's own handler echoes the input back; a NaN or Infinity in it cannot be JSON
-        detail = _json_safe(jsonable_encoder(exc.errors()))
+        detail = jsonable_encoder(_json_safe(exc.errors()))
         return JSONResponse(status_code=422, content={"error": "invalid_request", "detail": detail})
 
     @app.exception_handler(OverflowError)

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.requests import ClientDisconnect
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -28,6 +29,7 @@ log = logging.getLogger("crossfed.http")
 
 #: routes whose bodies are model-sized (delta uploads); every other route carries small JSON
 BLOB_ROUTE = re.compile(r"^/v1/(blobs/[^/]*|rounds/[^/]+/deltas/inline)$")
+CLIENT_CLOSED = 499
 #: the one route served to anybody
 PUBLIC_PATHS = frozenset({"/v1/health"})
 #: the status page authenticates itself (admin token or its session cookie)
@@ -83,7 +85,12 @@ class StatusStats:
 
 
 class StatusCounter:
-    """Counts every response by status; logs each 5xx (method and path, never the query)."""
+    """Counts every response by status; logs each 5xx (method and path, never the query).
+
+    A client that goes away before its answer (``ClientDisconnect`` while the body is read)
+    is counted as 499, nginx's "client closed request": nobody is there to answer, and it is
+    not a server error. Nothing else is swallowed.
+    """
 
     def __init__(self, app: ASGIApp, stats: StatusStats) -> None:
         self.app, self.stats = app, stats
@@ -101,6 +108,10 @@ class StatusCounter:
 
         try:
             await self.app(scope, receive, recording_send)
+        except ClientDisconnect:
+            if seen:
+                raise
+            seen.append(CLIENT_CLOSED)
         except Exception:
             if not seen:
                 seen.append(500)
