@@ -137,3 +137,41 @@ def test_a_torchrun_site_trains_with_two_real_ranks(
     cursor = checkpoint.latest(tmp_path / "results" / "sites" / "lumi" / "state")
     assert cursor is not None and cursor["world"] == 2
     assert ledger_row(coordinator, "lumi")["blocks_committed"] == 4
+
+
+def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_retraining(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
+) -> None:
+    init(coordinator, tiny_data)
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+
+    class Killed(Exception):
+        pass
+
+    def die(self, pending) -> None:
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(SiteRunner, "_write_pending", die)
+        with pytest.raises(Killed):
+            SiteRunner(settings, coordinator.client("lumi")).run_round(1)
+    cursor = checkpoint.latest(settings.work_dir / "lumi" / "state")
+    assert cursor is not None and cursor["status"] == "done" and cursor["windows"] == 32
+
+    trained = []
+    original = SiteRunner._train
+
+    def spy(self, round_no, start, state, beat):
+        before = state.steps  # the cursor's steps (the phase mutates this state)
+        out = original(self, round_no, start, state, beat)
+        trained.append(out.steps - before)
+        return out
+
+    monkeypatch.setattr(SiteRunner, "_train", spy)
+    outcome = SiteRunner(settings, coordinator.client("lumi")).run_round(1)  # the restart
+    assert outcome.status == "accepted", outcome.detail
+    assert trained == [0] and outcome.extra["resumed_at_window"] == 32
+    assert outcome.steps == 4 and outcome.windows == 32 and outcome.blocks_committed == 4
+    row = ledger_row(coordinator, "lumi")
+    assert row["grants"] == 1 and row["blocks_committed"] == 4 and row["blocks_lost"] == 0
