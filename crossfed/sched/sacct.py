@@ -136,8 +136,18 @@ def _parse_tres(text: str) -> dict[str, str]:
     return out
 
 
+def _duration_or(text: str, empty: float | None) -> float | None:
+    """A Slurm duration, or ``empty`` for a field slurmdbd has not filled in yet."""
+    return parse_slurm_duration(text) if text.strip() else empty
+
+
 def parse_sacct(text: str) -> list[SacctRecord]:
-    """Parse ``sacct -X -P -n -o JobID,Elapsed,Timelimit,State,Start,End,AllocTRES`` output."""
+    """Parse ``sacct -X -P -n -o JobID,Elapsed,Timelimit,State,Start,End,AllocTRES`` output.
+
+    A row with an empty Elapsed or Timelimit (a pending job, or one that ended seconds ago:
+    slurmdbd fills those fields in a little later) is kept with elapsed 0 and no limit, so
+    the walltime discount skips it instead of the whole capture failing.
+    """
     records: list[SacctRecord] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -151,8 +161,8 @@ def parse_sacct(text: str) -> list[SacctRecord]:
         if cols[0].strip() == "JobID":  # a header line slipped through
             continue
         try:
-            elapsed = parse_slurm_duration(cols[1]) or 0.0
-            limit = parse_slurm_duration(cols[2])
+            elapsed = _duration_or(cols[1], 0.0) or 0.0
+            limit = _duration_or(cols[2], None)
         except SlurmDurationError as exc:
             raise SacctParseError(f"sacct line {lineno}: {exc}") from exc
         records.append(
