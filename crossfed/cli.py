@@ -84,20 +84,43 @@ def cmd_coordinator_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join_run(client: Any, spec: Any) -> dict[str, Any]:
+    """Without the admin token a site joins the run the operator created, if its data match."""
+    from crossfed.darl.blockspace import BlockSpace
+
+    status = client.status()
+    digest = BlockSpace(spec.n_windows, spec.block_size, spec.data_seed).digest()
+    if status["digest"] != digest:
+        raise ConfigError(
+            f"the coordinator's run has block-space digest {status['digest'][:16]}..., this "
+            f"site's data give {digest[:16]}... (N={spec.n_windows}, K={spec.block_size}, "
+            f"seed={spec.data_seed}); prepare the same data with the same settings"
+        )
+    return {"created": False, "joined": True, **status}
+
+
 def cmd_run_init(args: argparse.Namespace) -> int:
+    from crossfed.coordinator.client import Refused
     from crossfed.coordinator.embedded import client_for
     from crossfed.launch import run_spec
 
     config = _config(args)
     spec = run_spec(config, load_sites(config))
     client = client_for(config, "admin")
-    reply = client.init_run(spec.to_dict())
+    try:
+        reply = client.init_run(spec.to_dict())
+    except Refused as exc:
+        if exc.code != "forbidden":
+            raise
+        reply = _join_run(client, spec)  # a site token: the operator created the run
     state = "created" if reply["created"] else "resumed"
     print(
         f"run {state}: round {reply['round']}, generation {reply['generation']}, "
         f"{reply['blocks_total']} blocks of {spec.block_size} windows, "
         f"digest {reply['digest'][:12]}"
     )
+    if args.model_out:  # the initial model, for the round-0 evaluation
+        client.download_model(0, Path(args.model_out))
     _write_json(args.out, {"spec": spec.to_dict(), **reply})
     return 0
 
@@ -121,6 +144,8 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     if args.site not in sites:
         raise ConfigError(f"unknown site {args.site!r}; sites are {list(sites)}")
     torch.set_num_threads(args.threads)
+    if args.round is None:
+        return _site_chain(args, config)
     accumulation = None
     if args.plan and Path(args.plan).exists():
         plan = json.loads(Path(args.plan).read_text())
@@ -158,6 +183,41 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _site_chain(args: argparse.Namespace, config: dict[str, Any]) -> int:
+    """Several rounds in one allocation (crossfed.chain); writes the chain outcome."""
+    from crossfed.chain import ChainError, chain_job, relaunch_ranks
+    from crossfed.train.distributed import under_torchrun
+
+    if config["launcher"]["kind"] == "torchrun" and not under_torchrun():
+        ranks = load_sites(config)[args.site]["ranks"]
+        return relaunch_ranks(ranks, sys.argv[1:], config["launcher"])
+    template = args.round_out or str(
+        Path(config["results"]) / "rounds" / "{round}" / "train" / f"{args.site}.json"
+    )
+    try:
+        outcome = chain_job(
+            config,
+            args.site,
+            through_round=args.through_round,
+            plan_path=args.plan,
+            until_walltime=args.until_walltime,
+            round_out=template,
+        )
+    except ChainError as exc:
+        raise ConfigError(str(exc)) from exc
+    if outcome is None:  # a torchrun rank other than 0
+        return 0
+    print(
+        f"[{args.site}] chain job stopped ({outcome.stopped}): {outcome.trained} rounds trained, "
+        f"coordinator at round {outcome.next_round}; next job: {outcome.next_job} "
+        f"{outcome.detail}"
+    )
+    if outcome.stopped == "too_short":  # fail loudly: the workflow cannot carry on this way
+        raise ConfigError(f"site {args.site}: {outcome.detail}")
+    _write_json(args.out, outcome.to_dict())
+    return 0
+
+
 # ---------------------------------------------------------------------- rounds
 def cmd_round_wait(args: argparse.Namespace) -> int:
     from crossfed.coordinator.embedded import client_for
@@ -189,6 +249,8 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
         f"{report['tokens']} tokens, generation {report['generation']}, "
         f"merge {report['merge_s']:.2f}s"
     )
+    if args.model_out:  # secure the new global model now: the coordinator keeps only a few
+        client.download_model(report["generation"], Path(args.model_out))
     _write_json(args.out, info)
     return 0
 
@@ -365,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     init = rsub.add_parser("init", help="create the run (idempotent) from config and data meta")
     _add_config(init)
     init.add_argument("--out")
+    init.add_argument("--model-out", help="also download the initial model (generation 0)")
     init.set_defaults(func=cmd_run_init)
 
     site = sub.add_parser("site", help="site jobs")
@@ -372,7 +435,24 @@ def build_parser() -> argparse.ArgumentParser:
     srun = ssub.add_parser("run", help="train one outer round as a site")
     _add_config(srun)
     srun.add_argument("--site", required=True)
-    srun.add_argument("--round", type=int, required=True)
+    which = srun.add_mutually_exclusive_group(required=True)
+    which.add_argument("--round", type=int, help="train this one outer round")
+    which.add_argument(
+        "--through-round",
+        type=int,
+        help="chain: train the current round and the ones after it, back to back, up to this one",
+    )
+    srun.add_argument(
+        "--until-walltime",
+        default="none",
+        help="chain: start no round that would end after the walltime: 'auto' (the Slurm "
+        "allocation's end), 'none', or seconds from now",
+    )
+    srun.add_argument(
+        "--round-out",
+        help="chain: per-round record path with {round} (default: "
+        "<results>/rounds/{round}/train/<site>.json)",
+    )
     srun.add_argument("--plan", help="plan JSON (accumulation, whether to submit)")
     srun.add_argument("--threads", type=int, default=1)
     srun.add_argument("--out")
@@ -385,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     wait.add_argument("--round", type=int, required=True)
     wait.add_argument("--timeout-s", type=float, default=0.0)
     wait.add_argument("--out")
+    wait.add_argument("--model-out", help="also download the global model the round produced")
     wait.set_defaults(func=cmd_round_wait)
 
     ckpt = sub.add_parser("checkpoint", help="pull a global model and evaluate it")
