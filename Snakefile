@@ -22,4 +22,4 @@ include: "rules/report.smk"
 rule all:
     input:
         final=f"{RESULTS}/metrics/final.json",
-        train=expand(f"{RESULTS}/rounds/{{round}}/train/{{site}}.json", round=ROUNDS, site=SITES),
+        train=TRAIN_TARGETS,

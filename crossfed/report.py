@@ -173,6 +173,109 @@ def plot_round_time(rounds: pd.DataFrame, path: Path) -> Path:
     return path
 
 
+def plot_perplexity_wallclock(rounds: pd.DataFrame, initial: dict[str, Any], path: Path) -> Path:
+    """Held-out perplexity against connected wall-clock time (paper Fig. 1b)."""
+    start = float(rounds["opened_at"].min()) if len(rounds) else 0.0
+    hours = [0.0] + ((rounds["closed_at"] - start) / 3600.0).tolist()
+    ppl = [initial["val_perplexity"]] + rounds["val_perplexity"].tolist()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(hours, ppl, marker="o", label="global model (held-out)")
+    ax.set_yscale("log")
+    ax.set_xlabel("wall-clock hours since round 1 opened")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title("crossfed: perplexity vs wall-clock")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+PLAN_COLUMNS = ["plan", "site", "submit", "shape", "jobs", "accumulation", "gamma", "wait_s"]
+PLAN_COLUMNS += ["predicted_start", "predicted_finish", "reason"]
+
+
+def plan_table(results: Path) -> pd.DataFrame:
+    """Every plan the run made, one row per site: the round plans and each chain job's."""
+    found = [(f"round {p.parent.name}", p) for p in results.glob("rounds/*/plan.json")]
+    found += [
+        (f"{p.parent.parent.name} {p.parent.name}", p)
+        for p in results.glob("sites/*/job-*/plan.json")
+    ]
+    rows = []
+    for name, path in sorted(found, key=lambda item: item[1].stat().st_mtime):
+        for site, entry in _read(path).get("sites", {}).items():
+            rows.append({"plan": name, "site": site, **entry})
+    frame = pd.DataFrame(rows)
+    return frame[[c for c in PLAN_COLUMNS if c in frame]] if len(frame) else frame
+
+
+def chain_table(results: Path) -> pd.DataFrame:
+    """One row per chained Slurm job: its rounds, why it stopped, and whether a next followed."""
+    rows = []
+    for path in results.glob("sites/*/job-*/outcome.json"):
+        out = _read(path)
+        rounds = [r["round"] for r in out.get("rounds", []) if r.get("status") == "accepted"]
+        rows.append(
+            {
+                "site": out["site"],
+                "job": int(path.parent.name.split("-")[1]),
+                "slurm_job_id": out.get("slurm_job_id"),
+                "rounds_trained": " ".join(map(str, rounds)),
+                "stopped": out["stopped"],
+                "seconds": round(out.get("ended_at", 0.0) - out.get("started_at", 0.0), 1),
+                "left_s": (
+                    round(out["deadline"] - out["ended_at"], 1) if out.get("deadline") else None
+                ),
+                "next_job": out.get("next_job"),
+                "detail": out.get("detail", ""),
+            }
+        )
+    frame = pd.DataFrame(rows)
+    return frame.sort_values(["site", "job"]) if len(frame) else frame
+
+
+def probe_history(results: Path) -> pd.DataFrame:
+    """Every probe the workflow made: the round probes' and each chained job's history."""
+    from crossfed.sched.probe import read_probes
+
+    frames = [read_probes(p) for p in sorted(results.glob("probes/history*.csv"))]
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if len(frame):  # a header repeated by concurrent first appends is not a probe
+        frame = frame[frame["probed_at"] != "probed_at"]
+    return frame
+
+
+def plot_probe_history(history: pd.DataFrame, path: Path) -> Path:
+    """Predicted queue wait of every probed shape over time (sbatch --test-only)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    frame = history[history["ok"]] if len(history) else history
+    shown = False
+    if len(frame):
+        frame = frame.assign(
+            probed_at=pd.to_datetime(frame["probed_at"], utc=True, format="ISO8601")
+        )
+        for (site, shape), rows in frame.groupby(["site", "shape"]):
+            ax.plot(rows["probed_at"], rows["wait_s"] / 60.0, marker=".", label=f"{site} {shape}")
+            shown = True
+    if shown:
+        ax.set_xlabel("probed at (UTC)")
+        ax.set_ylabel("predicted wait (minutes)")
+        ax.legend(fontsize="small")
+        fig.autofmt_xdate()
+    else:
+        ax.text(0.5, 0.5, "no successful scheduler probes", ha="center", va="center")
+        ax.set_axis_off()
+    ax.set_title("queue probes")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_report(config: dict[str, Any], site_names: list[str], results: Path) -> dict[str, Any]:
     """Write metrics/final.json, metrics/rounds.csv, metrics/sites.csv, ledger.csv and plots."""
     from crossfed.coordinator.embedded import client_for
@@ -189,6 +292,10 @@ def write_report(config: dict[str, Any], site_names: list[str], results: Path) -
     sites.to_csv(metrics / "sites.csv", index=False)
     plot_perplexity(rounds, initial, results / "plots" / "perplexity.png")
     plot_round_time(rounds, results / "plots" / "round_time.png")
+    plot_perplexity_wallclock(rounds, initial, results / "plots" / "perplexity_wallclock.png")
+    plot_probe_history(probe_history(results), results / "plots" / "probes.png")
+    plan_table(results).to_csv(metrics / "plans.csv", index=False)
+    chain_table(results).to_csv(metrics / "chains.csv", index=False)
     last = rounds.iloc[-1]
     summary = {
         "val_perplexity": float(last["val_perplexity"]),

@@ -1,21 +1,25 @@
-# Stage 5 of a round: pull the new global model (versioned by generation) and evaluate it.
-
-
-def merged(wildcards):
-    if int(wildcards.round) == 0:
-        return f"{RESULTS}/run.json"
-    return f"{RESULTS}/rounds/{wildcards.round}/merge.json"
+# Stage 5 of a round: evaluate the round's global model (versioned by generation) on the
+# held-out windows. Under a Slurm profile this is a small batch job (one GPU, shared node).
 
 
 rule checkpoint:
     input:
-        merged=merged,
-    output:
         model=f"{RESULTS}/checkpoints/global-{{round}}.safetensors",
+    output:
         evaluation=f"{RESULTS}/rounds/{{round}}/eval.json",
     log:
         f"{LOGS}/checkpoint/{{round}}.log",
+    params:
+        crossfed=CROSSFED,
+        config=CONFIG,
     threads: 1
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    envmodules:
+        *MODULES,
     shell:
-        "{CROSSFED} --log {log} checkpoint --config {CONFIG} --generation {wildcards.round}"
-        " --model-out {output.model} --out {output.evaluation} --threads {threads}"
+        "{params.crossfed} --log {log} checkpoint --config {params.config}"
+        " --generation {wildcards.round} --model-out {input.model}"
+        " --out {output.evaluation} --threads {threads}"

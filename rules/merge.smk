@@ -1,5 +1,6 @@
 # Stage 4 of a round: the coordinator closes the round (everyone in, or stragglers' leases
-# expired) and applies the outer step; this job waits for that, not for the sites' files.
+# expired) and applies the outer step; this job waits for that, not for the sites' files,
+# and secures the new global model at once (the coordinator keeps only the last few).
 
 
 rule merge:
@@ -7,8 +8,16 @@ rule merge:
         plan=rules.plan.output.plan,
     output:
         merge=f"{RESULTS}/rounds/{{round}}/merge.json",
+        model=f"{RESULTS}/checkpoints/global-{{round}}.safetensors",
     log:
         f"{LOGS}/merge/{{round}}.log",
+    wildcard_constraints:
+        round=r"[1-9]\d*",
+    params:
+        crossfed=CROSSFED,
+        config=CONFIG,
+    conda:
+        CONDA_ENV
     shell:
-        "{CROSSFED} --log {log} round wait --config {CONFIG} --round {wildcards.round}"
-        " --out {output.merge}"
+        "{params.crossfed} --log {log} round wait --config {params.config}"
+        " --round {wildcards.round} --out {output.merge} --model-out {output.model}"

@@ -1,13 +1,6 @@
-# Stage 2 of a round: choose which sites train, with which shape and accumulation.
+# Stage 2: choose which sites train, with which shape and accumulation (the waterfill).
 # Work is counted in outer rounds (one data unit = the tokens of one round); rounds already
 # done are not replanned.
-
-
-def tokens_per_round():
-    """H * seq_len * sum over sites of B*W*A: the tokens one outer round consumes."""
-    sites = load_sites(config)
-    windows = sum(s["micro_batch"] * s["ranks"] * s["accumulation"] for s in sites.values())
-    return config["inner"]["steps"] * config["data"]["seq_len"] * windows
 
 
 rule plan:
@@ -18,17 +11,47 @@ rule plan:
     log:
         f"{LOGS}/plan/{{round}}.log",
     params:
+        crossfed=CROSSFED,
+        sites=config["sites_file"],
+        rounds=config["rounds"],
         done=lambda wildcards: int(wildcards.round) - 1,
         tokens_per_unit=tokens_per_round(),
         job_log=lambda wildcards: f"{RESULTS}/rounds/{wildcards.round}/job_log.csv",
+        results=lambda wildcards, output: Path(output.plan).parents[2],
+    conda:
+        CONDA_ENV
     shell:
         # measured rounds -> the planner's job log; the plan's accumulation then fills the
         # barrier from measured step times (crossfed.train.barrier, paper Fig. 2a)
-        "python -m crossfed.train.barrier job-log --results {RESULTS} --before {wildcards.round}"
-        " --sites {config[sites_file]} --out {params.job_log} > {log} 2>&1"
-        " && {CROSSFED} --log {log} plan --sites {config[sites_file]} --probes {input.probe}"
-        " --target-units {config[rounds]} --units-per-round 1 --round {params.done}"
+        "python -m crossfed.train.barrier job-log --results {params.results}"
+        " --before {wildcards.round}"
+        " --sites {params.sites} --out {params.job_log} > {log} 2>&1"
+        " && {params.crossfed} --log {log} plan --sites {params.sites} --probes {input.probe}"
+        " --target-units {params.rounds} --units-per-round 1 --round {params.done}"
         " --tokens-per-unit {params.tokens_per_unit} --job-log {params.job_log}"
         " --out {output.plan}"
         " && python -m crossfed.train.barrier fill --plan {output.plan}"
-        " --job-log {params.job_log} --sites {config[sites_file]} >> {log} 2>&1"
+        " --job-log {params.job_log} --sites {params.sites} >> {log} 2>&1"
+
+
+rule plan_job:
+    input:
+        probe=rules.probe_job.output.probe,
+        sacct=rules.probe_job.output.sacct,
+        previous=previous_job,
+    output:
+        plan=f"{RESULTS}/sites/{{site}}/job-{{job}}/plan.json",
+    log:
+        f"{LOGS}/plan/{{site}}-job{{job}}.log",
+    params:
+        crossfed=CROSSFED,
+        sites=config["sites_file"],
+        rounds=config["rounds"],
+        done=rounds_done,
+        tokens_per_unit=tokens_per_round(),
+    conda:
+        CONDA_ENV
+    shell:
+        "{params.crossfed} --log {log} plan --sites {params.sites} --probes {input.probe}"
+        " --sacct-history {input.sacct} --target-units {params.rounds} --units-per-round 1"
+        " --round {params.done} --tokens-per-unit {params.tokens_per_unit} --out {output.plan}"

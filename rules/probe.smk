@@ -1,13 +1,44 @@
-# Stage 1 of a round: ask every site's scheduler when a job of each shape would start.
+# Stage 1: ask the schedulers when a job of each shape would start (`sbatch --test-only`).
+# Once per round for the plan of that round, and before every chained Slurm job, whose
+# probe also captures the trailing sacct history (the walltime discount gamma).
 
 
 rule probe:
     input:
-        previous=previous_eval,
+        previous=previous_round,
     output:
         probe=f"{RESULTS}/rounds/{{round}}/probe.csv",
     log:
         f"{LOGS}/probe/{{round}}.log",
+    params:
+        crossfed=CROSSFED,
+        sites=config["sites_file"],
+        only=probe_only(),
+        history=f"{RESULTS}/probes/history.csv",
+    conda:
+        CONDA_ENV
     shell:
-        "{CROSSFED} --log {log} probe --sites {config[sites_file]} --out {output.probe}"
-        " --history {RESULTS}/probes/history.csv"
+        "{params.crossfed} --log {log} probe --sites {params.sites} {params.only}"
+        " --out {output.probe} --history {params.history}"
+
+
+rule probe_job:
+    input:
+        previous=previous_job,
+    output:
+        probe=f"{RESULTS}/sites/{{site}}/job-{{job}}/probe.csv",
+        sacct=f"{RESULTS}/sites/{{site}}/job-{{job}}/sacct.txt",
+    log:
+        f"{LOGS}/probe/{{site}}-job{{job}}.log",
+    params:
+        crossfed=CROSSFED,
+        sites=config["sites_file"],
+        only=" ".join(f"--site {s}" for s in SLURM_SITES),
+        history=lambda wildcards: f"{RESULTS}/probes/history-{wildcards.site}.csv",
+    conda:
+        CONDA_ENV
+    shell:
+        # sacct may be unavailable (a warning, no history): the plan then uses gamma = 1
+        "{params.crossfed} --log {log} probe --sites {params.sites} {params.only}"
+        " --out {output.probe} --history {params.history} --sacct-out {output.sacct}"
+        " && touch {output.sacct}"
