@@ -246,6 +246,13 @@ def session(url: str) -> aiohttp.ClientSession:
 async def run_load(run: LiveRun, hz: float, seconds: float, spread_s: float, seed: int) -> dict:
     gc.collect()  # the generator's own long-lived objects (torch, the delta) out of the way of
     gc.freeze()  # the cyclic collector, whose full passes would show up as request latency
+    try:
+        return await _run_load(run, hz, seconds, spread_s, seed)
+    finally:
+        gc.unfreeze()  # collectable again, so the interpreter's exit finalises them cleanly
+
+
+async def _run_load(run: LiveRun, hz: float, seconds: float, spread_s: float, seed: int) -> dict:
     rng = random.Random(seed)
     stats = Stats()
     async with session(run.url) as http:

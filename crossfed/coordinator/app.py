@@ -149,6 +149,7 @@ def create_app(
         gc.collect()
         gc.freeze()
         yield
+        gc.unfreeze()  # collectable again, so the interpreter's exit finalises them cleanly
         stop.set()
         thread.join(timeout=10)
 
