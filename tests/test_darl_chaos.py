@@ -42,7 +42,7 @@ SEED = 20240611
 SITES = {
     "snellius": (0.03, 4, "after_checkpoint"),
     "lumi": (0.06, 4, "before_checkpoint"),
-    "frontier": (0.09, 4, None),
+    "frontier": (0.09, 8, None),  # long leases: what a drained site steals from
     "leonardo": (0.05, 4, None),  # joins late
 }
 LATE = {"leonardo": 5.0}
@@ -229,7 +229,7 @@ def run_chaos(live: LiveCoordinator, sites: dict[str, SiteProcess], rng: random.
             if victims:
                 rng.choice(victims).kill()
                 stats["site_kills"] += 1
-            next_site_kill = now + rng.uniform(2.5, 4.5)
+            next_site_kill = now + rng.uniform(3.5, 6.0)
         if coordinator_kills and status["blocks_committed_in_epoch"] >= coordinator_kills[0]:
             coordinator_kills.pop(0)
             live.kill()
