@@ -1,0 +1,300 @@
+"""End to end on a real Slurm 22.05: the workflow's Slurm profile drives two sites.
+
+The single-host test cluster (tests/slurm_cluster.py) has two partitions with different
+walltime caps; each is one site: ``lumi`` runs 2-minute jobs, ``snellius`` 5-minute ones.
+This host is the login node: the embedded coordinator listens on loopback and the Slurm
+jobs, which run on the same host, reach it there. The workflow probes both partitions with
+``sbatch --test-only``, captures ``sacct`` history for the walltime discount, plans, and the
+Slurm executor submits chained training jobs that train rounds back to back. One snellius
+job is cancelled mid-round with ``scancel``; later the whole workflow is interrupted
+(Ctrl-C, which cancels its Slurm jobs) and run again, and it resumes from the last
+completed round. The ledger must stay exact throughout. Finally ``--lint`` and
+``--report`` run on the finished workdir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
+
+from crossfed.darl.ledger import COMMITTED_TABLE
+from crossfed.report import probe_history
+from crossfed.sched.planner import read_plan
+from crossfed.sched.probe import read_probes
+from crossfed.sched.sacct import parse_sacct
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+ROUNDS = 5
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def workdir(tmp_path: Path, cluster: SlurmTestCluster) -> Path:
+    """Config, sites and a profile derived from profiles/slurm for the test cluster."""
+    (tmp_path / "config").mkdir()
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config.update(rounds=ROUNDS)
+    config["data"].update(vocab_size=512, seq_len=32, block_size=4)
+    config["inner"].update(steps=6, warmup_steps=2)
+    config["eval"].update(max_windows=32)
+    config["round_policy"].update(join_window_s=2)
+    config["darl"].update(min_ttl_s=4, initial_ttl_s=8, heartbeat_s=0.5)
+    # jobs here spend ~30 s starting (two Snakemake parses, torch import) on two cores
+    config["chain"] = {"margin_s": 15, "round_prior_s": 10}
+    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+
+    site = dict(ranks=1, micro_batch=4, accumulation=1, rtt_ms=0, scheduler="slurm")
+    site.update(account=cluster.account, qos_max_nodes=2, tokens_per_s_per_gpu=1000)
+    sites = {
+        "lumi": {
+            **site,
+            "transport": "nat",
+            "slowdown": 50.0,  # ~18 s rounds: a 2-minute job fits only a few
+            "max_walltime_h": 10 / 60,
+            "shapes": [shape("gcd1-2m", "lumi", "00:02:00")],
+        },
+        "snellius": {
+            **site,
+            "transport": "direct",
+            "slowdown": 20.0,
+            "max_walltime_h": 0.5,
+            "shapes": [shape("h100-5m", "snellius", "00:05:00")],
+        },
+    }
+    (tmp_path / "config" / "sites.yaml").write_text(yaml.safe_dump({"sites": sites}))
+
+    profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
+    profile.pop("configfiles")  # the site overlay is for real sites
+    profile.update(
+        {
+            "jobs": 8,
+            "latency-wait": 5,
+            "slurm-init-seconds-before-status-checks": 1,
+            "seconds-between-status-checks": 1,
+            "default-resources": {
+                "slurm_account": cluster.account,
+                "slurm_partition": "lumi",
+                "runtime": 5,
+                "mem_mb": 500,  # test nodes have 1 GB
+                "cpus_per_task": 1,
+            },
+            "set-resources": {"train_job": {"cpus_per_task": 1, "mem_mb": 500}},
+            "set-threads": {"train_job": 1, "checkpoint": 1},
+        }
+    )
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "config.yaml").write_text(yaml.safe_dump(profile))
+    return tmp_path
+
+
+def shape(name: str, partition: str, walltime: str) -> dict:
+    return {"name": name, "partition": partition, "nodes": 1, "gpus_per_node": 1,
+            "walltime": walltime}  # fmt: skip
+
+
+def snakemake(
+    cwd: Path, cluster: SlurmTestCluster, *extra: str, name: str = "snakemake"
+) -> subprocess.Popen:
+    env = {**cluster.env, "PATH": f"{BIN}:{cluster.env['PATH']}", "PYTHONUNBUFFERED": "1"}
+    cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile", "profile", *extra]
+    log = open(cwd / f"{name}.out", "wb")
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    proc.log_path = cwd / f"{name}.out"  # type: ignore[attr-defined]
+    return proc
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    return proc.log_path.read_text()  # type: ignore[attr-defined]
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 900) -> str:
+    rc = proc.wait(timeout=timeout_s)
+    assert rc == 0, output_of(proc)[-8000:]
+    return output_of(proc)
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, proc=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"workflow ended while waiting for {what}:\n{output_of(proc)}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def queued(cluster: SlurmTestCluster) -> list[dict[str, str]]:
+    """Jobs in the queue: id, partition, state and Snakemake's comment (rule, wildcards)."""
+    out = cluster.run("squeue", "-h", "-o", "%i|%P|%T|%k").stdout
+    keys = ("id", "partition", "state", "comment")
+    return [dict(zip(keys, line.split("|"), strict=True)) for line in out.splitlines()]
+
+
+def sacct_state(cluster: SlurmTestCluster, job_id: str) -> str:
+    out = cluster.run("sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State").stdout
+    return out.strip().split(" ")[0]
+
+
+def mid_round(log: Path) -> bool:
+    """The chain log shows an inner step of round 2 or later."""
+    if not log.exists():
+        return False
+    return any(f"[snellius r{r}] step" in log.read_text() for r in range(2, ROUNDS))
+
+
+def outcomes(results: Path, site: str) -> list[dict]:
+    paths = sorted(results.glob(f"sites/{site}/job-*/outcome.json"), key=_job_index)
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _job_index(path: Path) -> int:
+    return int(path.parent.name.split("-")[1])
+
+
+def check_ledger(results: Path) -> pd.DataFrame:
+    ledger = pd.read_csv(results / "ledger.csv")
+    per_site, total = ledger[ledger["site"] != "total"], ledger[ledger["site"] == "total"].iloc[0]
+    for column in ("grants", "blocks_granted", "blocks_committed", "blocks_lost", "ttl_expiries"):
+        assert per_site[column].sum() == total[column], column
+    with sqlite3.connect(results / "coordinator" / "state.sqlite") as conn:
+        rows = conn.execute(f"SELECT epoch, block FROM {COMMITTED_TABLE}").fetchall()
+    assert len(rows) == len(set(rows)) == total["blocks_committed"] > 0
+    return ledger.set_index("site")
+
+
+def test_two_slurm_sites_chain_jobs_survive_scancel_and_resume(
+    tmp_path: Path,
+    slurm_cluster: SlurmTestCluster,  # noqa: F811
+) -> None:
+    cluster = slurm_cluster
+    cwd = workdir(tmp_path, cluster)
+    results = cwd / "results"
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+
+    # 1. a snellius job is cancelled by Slurm in the middle of a round
+    run = snakemake(cwd, cluster)
+    log = results / "logs" / "train" / "snellius-job1.log"
+    wait_for(lambda: mid_round(log), 600, "snellius training in round 2+", run)
+    victims = [j for j in queued(cluster) if "rule_train_job_wildcards_snellius" in j["comment"]]
+    assert len(victims) == 1, queued(cluster)
+    cluster.run("scancel", victims[0]["id"])
+    timings["to_scancel_s"] = time.monotonic() - t0
+
+    # 2. the workflow carries on: lumi's first job stops before its walltime and the next
+    # one is planned; then, with round 3 merged, the workflow is interrupted (Ctrl-C)
+    merged = results / "rounds" / "3" / "merge.json"
+    planned = results / "sites" / "lumi" / "job-2" / "plan.json"
+    wait_for(lambda: merged.exists() and planned.exists(), 900, "round 3 and lumi job 2", run)
+    timings["to_interrupt_s"] = time.monotonic() - t0
+    os.killpg(run.pid, signal.SIGINT)
+    assert run.wait(timeout=180) != 0
+    wait_for(lambda: not queued(cluster), 60, "Snakemake to cancel its Slurm jobs")
+    assert sacct_state(cluster, victims[0]["id"]) == "CANCELLED"
+    done_before = {  # rounds whose merge job had finished (their evaluation exists)
+        r: (results / "rounds" / str(r) / "merge.json").stat().st_mtime_ns
+        for r in range(1, ROUNDS + 1)
+        if (results / "rounds" / str(r) / "eval.json").exists()
+    }
+    assert done_before, "no round was complete when the workflow was interrupted"
+
+    # 3. a rerun resumes from the last completed round and finishes the run
+    t1 = time.monotonic()
+    finish(snakemake(cwd, cluster, name="resume"))
+    timings["resume_s"] = time.monotonic() - t1
+    for r, mtime in done_before.items():  # closed rounds were not redone
+        assert (results / "rounds" / str(r) / "merge.json").stat().st_mtime_ns == mtime
+    final = json.loads((results / "metrics" / "final.json").read_text())
+    assert final["rounds"] == ROUNDS
+    initial = json.loads((results / "rounds" / "0" / "eval.json").read_text())
+    assert final["val_perplexity"] < initial["val_perplexity"]
+    for r in range(1, ROUNDS + 1):
+        info = json.loads((results / "rounds" / str(r) / "merge.json").read_text())
+        assert info["status"] == "closed" and info["report"]["generation"] == r
+
+    # the ledger is exact: per-site sums equal the total, no block committed twice, and the
+    # cancelled job cost its in-flight lease (returned to the pool when its TTL ran out)
+    ledger = check_ledger(results)
+    snellius_row = ledger.loc["snellius"]
+    assert snellius_row["ttl_expiries"] >= 1 and snellius_row["blocks_lost"] >= 1
+    assert (ledger.loc[["lumi", "snellius"], "blocks_committed"] > 0).all()
+
+    # chains: lumi's 2-minute jobs stopped before their walltime and the next job went on;
+    # every job that wrote its outcome ended on its own (none was killed at the walltime)
+    lumi, snellius = outcomes(results, "lumi"), outcomes(results, "snellius")
+    assert lumi[-1]["stopped"] == snellius[-1]["stopped"] == "run_complete"
+    assert any(o["stopped"] == "walltime" and o["trained"] >= 1 for o in lumi[:-1]), lumi
+    for outcome in lumi + snellius:
+        assert sacct_state(cluster, outcome["slurm_job_id"]) == "COMPLETED", outcome
+        assert outcome["ended_at"] < outcome["deadline"] - 5, outcome
+    rounds = [r for o in lumi + snellius for r in o["rounds"]]
+    assert {r["round"] for r in rounds if r["status"] == "accepted"} == set(range(1, ROUNDS + 1))
+
+    # real probes and sacct history fed the plans
+    probes = pd.concat(read_probes(p) for p in results.glob("sites/*/job-*/probe.csv"))
+    assert set(probes["site"]) == {"lumi", "snellius"} and probes["ok"].all()
+    assert (probes["job_id"] != "").all() and (probes["wait_s"] >= 0).all()
+    assert len(probe_history(results)) >= len(probes)
+    gammas = []
+    for plan_path in results.glob("sites/*/job-*/plan.json"):
+        plan = read_plan(plan_path)
+        assert plan.mode == "queue_aware" and plan.sites["lumi"].submit
+        gammas += [sp.gamma for sp in plan.sites.values()]
+        sacct = plan_path.with_name("sacct.txt").read_text()
+        assert parse_sacct(sacct)  # the real capture parses, pending rows and all
+    assert min(gammas) < 1.0  # finished jobs ran shorter than they asked for
+
+    # lint is clean and the report is self-contained
+    t2 = time.monotonic()
+    lint = subprocess.run(
+        [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile", "profile", "--lint"],
+        cwd=cwd, env={**cluster.env, "PATH": f"{BIN}:{os.environ['PATH']}"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "Congratulations, your workflow is in a good condition" in lint.stdout + lint.stderr
+    report = finish(snakemake(cwd, cluster, "--report", "report.zip", name="report"))
+    assert zipfile.is_zipfile(cwd / "report.zip"), report
+    names = zipfile.ZipFile(cwd / "report.zip").namelist()
+    for plot in ("perplexity.png", "perplexity_wallclock.png", "round_time.png"):
+        assert any(n.endswith(plot) for n in names), names
+    timings["lint_report_s"] = time.monotonic() - t2
+    timings["total_s"] = time.monotonic() - t0
+    print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
+
+
+def test_multi_node_job_starts_one_torchrun_per_node(
+    tmp_path: Path,
+    slurm_cluster: SlurmTestCluster,  # noqa: F811
+) -> None:
+    """A two-node allocation: srun starts one torchrun per node, they meet at the head
+    node's address (c10d rendezvous), and each starts its ranks (here `crossfed --help`)."""
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "from crossfed.chain import relaunch_ranks\n"
+        "raise SystemExit(relaunch_ranks(4, ['--help'], {'command': ''}))\n"
+    )
+    out = tmp_path / "launch.out"
+    job = slurm_cluster.sbatch(
+        "-p", "snellius", "-N", "2", "--ntasks=2", "-t", "5", "-o", str(out),
+        "--wrap", f"{sys.executable} {script}",
+    )  # fmt: skip
+    state = slurm_cluster.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
+    text = out.read_text()
+    assert state == "COMPLETED", text
+    assert text.count("usage: crossfed") == 4, text  # 2 nodes x 2 ranks
