@@ -212,6 +212,10 @@ def plan_table(results: Path) -> pd.DataFrame:
     return frame[[c for c in PLAN_COLUMNS if c in frame]] if len(frame) else frame
 
 
+CHAIN_COLUMNS = ["site", "job", "slurm_job_id", "rounds_trained", "stopped", "seconds", "left_s"]
+CHAIN_COLUMNS += ["next_job", "detail"]
+
+
 def chain_table(results: Path) -> pd.DataFrame:
     """One row per chained Slurm job: its rounds, why it stopped, and whether a next followed."""
     rows = []
@@ -233,8 +237,8 @@ def chain_table(results: Path) -> pd.DataFrame:
                 "detail": out.get("detail", ""),
             }
         )
-    frame = pd.DataFrame(rows)
-    return frame.sort_values(["site", "job"]) if len(frame) else frame
+    frame = pd.DataFrame(rows, columns=CHAIN_COLUMNS)
+    return frame.sort_values(["site", "job"])
 
 
 def probe_history(results: Path) -> pd.DataFrame:
