@@ -166,6 +166,8 @@ def test_killed_workflow_resumes_and_commits_every_block_once(tmp_path: Path) ->
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # as after any killed Snakemake run: release its lock, then run again
+    finish(snakemake(cwd, "--unlock", name="unlock"), cwd)
     finish(snakemake(cwd, name="resume"), cwd)
     final = json.loads((cwd / "results" / "metrics" / "final.json").read_text())
     assert final["rounds"] == 2
