@@ -26,6 +26,7 @@ def _setup_logging(log_file: str | None, verbose: bool = False) -> None:
         handlers=handlers,
         force=True,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -333,10 +334,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_ledger(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from crossfed.coordinator.embedded import client_for
+    from crossfed.coordinator.embedded import EndpointError, client_for
 
     config = _config(args)
-    frame = pd.DataFrame(client_for(config, "admin").ledger())
+    try:
+        records = client_for(config, "admin").ledger()
+    except EndpointError:  # the embedded coordinator has stopped: read its state directly
+        from crossfed.coordinator.service import read_ledger
+
+        records = read_ledger(Path(config["coordinator"]["state_dir"]))
+    frame = pd.DataFrame(records)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(args.out, index=False)

@@ -261,7 +261,9 @@ class SiteRunner:
         """Rank 0: join, resend a checkpointed delta, adopt the global model, lease or resume."""
         assert self.client is not None
         rtt = self.client.rtt_ms()
-        joined = self.client.register(self.s.site, self.space.digest(), self.s.inner.ranks, rtt)
+        joined = self.client.register(
+            self.s.site, self.space.digest(), self.s.inner.ranks, rtt, round_no
+        )
         resumed = self._resume_pending(round_no)
         if resumed is not None:
             return resumed

@@ -80,6 +80,7 @@ class RegisterBody(BaseModel):
     digest: str = Field(min_length=1, max_length=128)
     ranks: int = Field(ge=1, le=1_000_000)
     rtt_ms: float | None = Field(default=None, ge=0, le=600_000)
+    round: int | None = Field(default=None, ge=1, description="the round this site means to join")
 
 
 class LeaseBody(BaseModel):
@@ -264,7 +265,9 @@ def create_app(
     @app.post("/v1/sites/{site}/register")
     async def register(site: str, body: RegisterBody, who: Caller) -> dict[str, Any]:
         as_site(who, site)
-        reply = await run(coordinator.register, site, body.digest, body.ranks, body.rtt_ms)
+        reply = await run(
+            coordinator.register, site, body.digest, body.ranks, body.rtt_ms, body.round
+        )
         return own_view(who, reply)
 
     @app.get("/v1/models/{generation}")
@@ -328,8 +331,8 @@ def create_app(
         key: str,
         request: Request,
         who: Caller,
-        offset: Annotated[int, Query(ge=0)] = 0,
-        total: Annotated[int | None, Query(ge=0)] = None,
+        offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+        total: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     ) -> dict[str, Any]:
         """Upload a blob (key = its digest) whole, or in parts at ``offset`` of ``total``."""
         return await coordinator.blobs.write_part(

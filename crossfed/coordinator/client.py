@@ -133,10 +133,11 @@ class CoordinatorClient:
     def ledger(self) -> list[dict[str, Any]]:
         return self.get("/v1/ledger")
 
-    def register(self, site: str, digest: str, ranks: int, rtt_ms: float | None) -> dict[str, Any]:
-        return self.post(
-            f"/v1/sites/{site}/register", {"digest": digest, "ranks": ranks, "rtt_ms": rtt_ms}
-        )
+    def register(
+        self, site: str, digest: str, ranks: int, rtt_ms: float | None, round_no: int | None = None
+    ) -> dict[str, Any]:
+        body = {"digest": digest, "ranks": ranks, "rtt_ms": rtt_ms, "round": round_no}
+        return self.post(f"/v1/sites/{site}/register", body)
 
     def lease(
         self, site: str, round_no: int, n_blocks: int, t_step_s: float | None, rtt_ms: float | None
@@ -235,12 +236,18 @@ class CoordinatorClient:
     ) -> dict[str, Any]:
         """Send a delta inside the round message (inline) or as a blob reference.
 
-        Inline bodies refused as too slow or too large go as a blob instead (an upload
-        resumes where the inline body stopped). In blob mode the submission is tried
-        before any upload, so resending a delta the coordinator already holds costs one
-        short request.
+        Either way the submission by reference is tried first: resending a delta the
+        coordinator already holds (a restarted job) costs one short request, no bytes.
+        Inline bodies refused as too slow or too large go as a blob instead (the upload
+        resumes where the inline body stopped).
         """
         key = _key(key) if key is not None else digest_file(path)
+        body = {**fields, "blob": key}
+        try:
+            return self.post(f"/v1/rounds/{round_no}/deltas", body)
+        except Refused as exc:
+            if exc.code != "unknown_blob":
+                raise
         if inline:
             try:
                 return self._request(
@@ -254,12 +261,6 @@ class CoordinatorClient:
                 if exc.status not in INLINE_FALLBACK_STATUS:
                     raise
                 log.warning("inline delta refused (%s); sending it as a blob", exc)
-        body = {**fields, "blob": key}
-        try:
-            return self.post(f"/v1/rounds/{round_no}/deltas", body)
-        except Refused as exc:
-            if exc.code != "unknown_blob":
-                raise
         self.upload_blob(path, key)
         return self.post(f"/v1/rounds/{round_no}/deltas", body)
 

@@ -237,10 +237,7 @@ class Coordinator:
         with self.lock:
             self._require_run()
             assert self.book is not None
-            ranks = {r["site"]: r["ranks"] for r in self.conn.execute("SELECT * FROM sites")}
-            rtt = {r["site"]: r["rtt_ms"] for r in self.conn.execute("SELECT * FROM sites")}
-            frame = self.ledger.table3(self.book, ranks, rtt)
-            return json.loads(frame.to_json(orient="records"))
+            return _ledger_records(self.conn, self.ledger, self.book)
 
     def delta_site(self, key: str) -> str | None:
         """The site whose accepted delta is blob ``key`` (canonical ``algo:hex``), if any."""
@@ -295,7 +292,9 @@ class Coordinator:
             )
         return spec
 
-    def register(self, site: str, digest: str, ranks: int, rtt_ms: float | None) -> dict[str, Any]:
+    def register(
+        self, site: str, digest: str, ranks: int, rtt_ms: float | None, round_no: int | None = None
+    ) -> dict[str, Any]:
         """A site (re)joins: its block-space digest must match; it adopts the current state."""
         with self.lock:
             spec = self._check_site(site)
@@ -319,6 +318,12 @@ class Coordinator:
                     "rtt_ms = COALESCE(excluded.rtt_ms, rtt_ms), last_seen = excluded.last_seen",
                     (site, ranks, rtt_ms, now),
                 )
+                if round_no is not None and round_no == self.current_round()["round_no"]:
+                    # an announcement: this site means to lease in the open round
+                    self.conn.execute(
+                        "UPDATE sites SET joined_round = ?, joined_at = ? WHERE site = ?",
+                        (round_no, now, site),
+                    )
             return {
                 "site": site,
                 "n_windows": spec.n_windows,
@@ -458,6 +463,12 @@ class Coordinator:
                         "rtt_ms = COALESCE(?, rtt_ms), last_seen = ? WHERE site = ?",
                         (t_step_s, rtt_ms, now, site),
                     )
+                    if lease is not None:
+                        self.conn.execute(
+                            "UPDATE rounds SET first_lease_at = COALESCE(first_lease_at, ?) "
+                            "WHERE round_no = ?",
+                            (now, round_no),
+                        )
             except LeaseError as exc:
                 raise CoordinatorError(409, exc.code, str(exc)) from exc
             if lease is None:
@@ -687,11 +698,19 @@ class Coordinator:
             current = self.current_round()
             deltas = store.round_deltas(self.conn, current["round_no"])
             active = self.book.active_sites(current["round_no"])
+            announced = self.conn.execute(
+                "SELECT COUNT(*) FROM sites WHERE joined_round = ? AND joined_at > ? "
+                "AND site NOT IN (SELECT site FROM deltas WHERE round_no = ?)",
+                (current["round_no"], now - self.spec.rounds.join_window_s, current["round_no"]),
+            ).fetchone()[0]
+            announced -= len(set(active))
             reason = close_decision(
                 opened_at=current["opened_at"],
+                first_lease_at=current["first_lease_at"],
                 now=now,
                 deltas=len(deltas),
                 active_leases=len(active),
+                announced=max(0, announced),
                 policy=self.spec.rounds,
             )
             if reason is None:
@@ -752,6 +771,34 @@ class Coordinator:
             merge_s,
         )
         return summary
+
+
+def _ledger_records(conn: Any, ledger: LedgerStore, book: LeaseBook) -> list[dict[str, Any]]:
+    """Table 3 as JSON records, with ranks and RTT from the sites table."""
+    rows = conn.execute("SELECT site, ranks, rtt_ms FROM sites").fetchall()
+    frame = ledger.table3(
+        book, {r["site"]: r["ranks"] for r in rows}, {r["site"]: r["rtt_ms"] for r in rows}
+    )
+    return json.loads(frame.to_json(orient="records"))
+
+
+def read_ledger(state_dir: Path) -> list[dict[str, Any]]:
+    """Table 3 straight from a coordinator's state directory (no server needed)."""
+    path = state_dir / "state.sqlite"
+    if not path.exists():
+        raise CoordinatorError(404, "no_state", f"no coordinator state at {path}")
+    conn = store.connect(path)
+    try:
+        spec = store.get_meta(conn, "spec")
+        if spec is None:
+            raise CoordinatorError(409, "no_run", f"{path} holds no run")
+        run = RunSpec.from_dict(spec)
+        book = LeaseBook(BlockSpace(run.n_windows, run.block_size, run.data_seed).n_blocks)
+        ledger = LedgerStore(conn)
+        ledger.replay(book)
+        return _ledger_records(conn, ledger, book)
+    finally:
+        conn.close()
 
 
 def _weighted_loss(deltas: list[dict]) -> float | None:
