@@ -48,8 +48,8 @@ def quantize_int8(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
         flat = flat.float()
     n = flat.numel()
     full = n // block
-    q = torch.empty(n, dtype=torch.int8)
-    scale = torch.empty(math.ceil(n / block), dtype=torch.float32)
+    q = torch.empty(n, dtype=torch.int8, device=flat.device)
+    scale = torch.empty(math.ceil(n / block), dtype=torch.float32, device=flat.device)
     if full:
         _quantize_blocks(flat[: full * block].view(full, block), q[: full * block], scale[:full])
     if full * block < n:  # the last, shorter block
@@ -76,7 +76,7 @@ def dequantize_int8(q: Tensor, scale: Tensor, block: int = BLOCK) -> Tensor:
             f"{tuple(scale.shape)}"
         )
     flat = q.reshape(-1)
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device=q.device)
     full = n // block
     scale = scale.float()
     if full:

@@ -252,8 +252,8 @@ def to_bf16(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def delta_tensor(site: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """One tensor's delta ``site - reference``, computed in fp32."""
-    return site.detach().float() - reference.detach().float()
+    """One tensor's delta ``site - reference``, computed in fp32 on the site tensor's device."""
+    return site.detach().float() - reference.detach().to(site.device).float()
 
 
 def delta_of(

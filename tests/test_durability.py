@@ -128,7 +128,8 @@ def test_sigkill_after_lease_upload_submit_and_merge(
     assert_generation(run, 1, expected, tmp_path / "after")
     assert_ledger_once(run, [a, b])
     for site, lease, path in (("snellius", a, da), ("lumi", b, db)):
-        assert submit(run, site, lease, path, tokens=TOKENS[site])["already"]
+        for inline in (False, True):
+            assert submit(run, site, lease, path, tokens=TOKENS[site], inline=inline)["already"]
 
 
 def test_sigkill_inside_the_merge_before_its_commit_redoes_it_identically(

@@ -167,8 +167,16 @@ def test_a_blob_uploaded_in_parts_is_verified_and_renamed_into_place(tmp_path: P
     assert state["complete"] is True and state["bytes"] == len(data)
     assert store.path(key).read_bytes() == data
     assert list((tmp_path / "blobs" / ".uploads").iterdir()) == []
-    # idempotent: the same blob again is answered without its body
-    assert put(store, key, b"", offset=0, total=len(data))["complete"] is True
+    # idempotent: the same blob again is acknowledged (its body read and dropped)
+    consumed = []
+
+    async def again() -> AsyncIterator[bytes]:
+        for piece in (data[:5000], data[5000:]):
+            consumed.append(len(piece))
+            yield piece
+
+    state = asyncio.run(store.write_part(key, again(), max_bytes=1 << 20))
+    assert state["complete"] is True and consumed == [5000, 5000]
 
 
 def test_a_part_at_the_wrong_offset_is_refused_with_the_offset_to_use(tmp_path: Path) -> None:
@@ -391,14 +399,24 @@ def test_a_resent_delta_costs_no_upload_and_inline_falls_back_to_blob(tmp_path: 
     path.write_bytes(os.urandom(2500))
     client = fake_client(fake)
     fields = dict(site="lumi", lease_id=7, generation=0, tokens=10, steps=1, consumed=1)
-    fake.faults = ["inline_408"]
+    fake.faults = [None, "inline_408"]  # the reference is unknown, the inline body too slow
     reply = client.submit_delta(1, path, inline=True, **fields)
     assert reply == {"accepted": True, "already": False}
     assert fake.deltas[7] == blake(path.read_bytes())
     assert any(c.startswith("PUT") for c in fake.calls)  # it went as a blob
-    fake.calls.clear()
-    again = client.submit_delta(1, path, inline=False, **fields)
-    assert again["already"] and fake.calls == ["POST /v1/rounds/1/deltas"]
+    for inline in (False, True):  # a resend costs one short request, no bytes
+        fake.calls.clear()
+        again = client.submit_delta(1, path, inline=inline, **fields)
+        assert again["already"] and fake.calls == ["POST /v1/rounds/1/deltas"]
+
+
+def test_an_inline_delta_goes_in_one_request_after_the_reference_check(tmp_path: Path) -> None:
+    fake = FakeCoordinator()
+    path = tmp_path / "d.bin"
+    path.write_bytes(os.urandom(2500))
+    fields = dict(site="lumi", lease_id=8, generation=0, tokens=10, steps=1, consumed=1)
+    assert fake_client(fake).submit_delta(1, path, inline=True, **fields)["accepted"]
+    assert fake.calls == ["POST /v1/rounds/1/deltas", "POST /v1/rounds/1/deltas/inline"]
 
 
 def test_refusals_other_than_resync_ones_surface(tmp_path: Path) -> None:
@@ -467,6 +485,8 @@ def test_parts_up_and_ranges_down_through_the_real_app(server: Server, tmp_path:
     assert key == blake(data) and client.blob_state(key)["complete"]
     out = client.download_blob(key, tmp_path / "out" / "blob.bin")
     assert out.read_bytes() == data
+    again = client.http.put(f"/v1/blobs/{key}", content=data)  # whole again: drained, 201
+    assert again.status_code == 201 and again.json()["complete"] is True
     assert [p.name for p in out.parent.iterdir()] == ["blob.bin"]
     response = client.http.get(f"/v1/blobs/{key}", headers={"Range": "bytes=5-9"})
     assert response.status_code == 206 and response.content == data[5:10]

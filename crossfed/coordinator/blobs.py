@@ -137,8 +137,10 @@ class BlobStore:
             raise BlobError(
                 f"blob of {total} bytes exceeds the {max_bytes}-byte limit", 413, "body_too_large"
             )
-        if self.exists(key):
-            return self.upload_state(key)  # idempotent: the body is not needed
+        if self.exists(key):  # idempotent: read and drop the body the client sends anyway
+            async for _ in chunks:
+                pass
+            return self.upload_state(key)
         upload = self._uploads.setdefault(key, _Upload())  # kept until the blob is complete
         async with upload.lock:
             state = await self._write_locked(
@@ -159,6 +161,8 @@ class BlobStore:
         deadline: float | None,
     ) -> dict[str, Any]:
         if self.exists(key):  # finished by a request that held the lock before us
+            async for _ in chunks:
+                pass
             return self.upload_state(key)
         part = self._part_path(key)
         staged = part.stat().st_size if part.exists() else 0
