@@ -38,7 +38,7 @@ from crossfed.sched.sacct import parse_sacct
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-ROUNDS = 5
+ROUNDS = 8  # more rounds than one 2-minute lumi job can train, however fast the machine
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
@@ -62,7 +62,7 @@ def workdir(tmp_path: Path, cluster: SlurmTestCluster) -> Path:
         "lumi": {
             **site,
             "transport": "nat",
-            "slowdown": 50.0,  # ~18 s rounds: a 2-minute job fits only a few
+            "slowdown": 80.0,  # rounds of 10 s or more: a 2-minute job fits only a few
             "max_walltime_h": 10 / 60,
             "shapes": [shape("gcd1-2m", "lumi", "00:02:00")],
         },
