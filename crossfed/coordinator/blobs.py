@@ -5,12 +5,14 @@ legacy SHA-256); nothing else is accepted, so a key can never name a path. A blo
 ``root/<algo>/<hex[:2]>/<hex>``.
 
 An upload may come in several short requests (``offset`` and ``total``): bytes are appended
-to ``root/.uploads/<algo>-<hex>.part`` while being hashed, every part is fsynced before it
-is acknowledged, and the last part is checked against the key and renamed into place. A
-part may be cut short (a request past its time limit, a dropped connection, a killed
-coordinator): what arrived stays, :meth:`BlobStore.upload_state` says where to resume, and
-a part resent from an older offset is refused with the offset to use. Hashing and disk
-writes run on a worker thread, overlapped with receiving the next bytes.
+to ``root/.uploads/<algo>-<hex>.part`` while being hashed (the kernel is asked to start
+writing them to disk at once), and the last part is checked against the key, fsynced and
+renamed into place. Parts in between are not fsynced: a machine crash may lose or garble
+their bytes, which the final digest check turns into a fresh upload. A part may be cut
+short (a request past its time limit, a dropped connection, a killed coordinator): what
+arrived stays, :meth:`BlobStore.upload_state` says where to resume, and a part resent from
+an older offset is refused with the offset to use. Hashing and disk writes run on a worker
+thread, overlapped with receiving the next bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from crossfed.transport import (
     fsync_dir,
     new_hasher,
     parse_digest,
+    start_writeback,
 )
 
 #: bytes handed to the worker thread at once
@@ -196,6 +199,7 @@ class BlobStore:
                     view = view[os.write(fd, view) :]
                 hasher.update(piece)  # after the write: hashed bytes are always on disk
                 upload.hashed += len(piece)
+            start_writeback(fd)
 
         try:
             try:
@@ -228,7 +232,8 @@ class BlobStore:
                 pending = None
             if batch:
                 await loop.run_in_executor(None, absorb, batch)
-            await asyncio.to_thread(os.fsync, fd)
+            if total is None or upload.hashed >= total:  # parts in between are not fsynced:
+                await asyncio.to_thread(os.fsync, fd)  # the final digest check covers them
         finally:
             if pending is not None:  # cancelled: let the worker finish before closing
                 await asyncio.shield(pending)

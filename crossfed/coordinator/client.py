@@ -29,6 +29,7 @@ from crossfed.transport import (
     iter_chunks,
     new_hasher,
     parse_digest,
+    start_writeback,
 )
 
 log = logging.getLogger("crossfed.client")
@@ -361,6 +362,7 @@ class _Sink:
             _write_all(self.fd, piece, self.written)
             self.hasher.update(piece)
             self.written += len(piece)
+        start_writeback(self.fd)
 
     def drain(self) -> None:
         if self.batch:
