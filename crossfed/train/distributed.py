@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from crossfed.train.model import ModelConfigError, parameters_of
+from crossfed.train.model import matching_parameters, parameters_of
 
 LAUNCHERS = ("simulate", "torchrun")
 AC_MODES = ("none", "full", "selective")
@@ -220,19 +220,8 @@ def full_parameters(model: torch.nn.Module, *, cpu: bool = True) -> dict[str, to
 @torch.no_grad()
 def load_full_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy whole tensors into (possibly sharded) parameters; names and shapes must match."""
-    params = parameters_of(model)
-    missing = sorted(set(params) - set(tensors))
-    extra = sorted(set(tensors) - set(params))
-    if missing or extra:
-        raise ModelConfigError(
-            f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}"
-        )
-    for name, param in params.items():
+    for name, param in matching_parameters(model, tensors).items():
         value = tensors[name]
-        if tuple(value.shape) != tuple(param.shape):
-            raise ModelConfigError(
-                f"parameter {name}: shape {tuple(value.shape)} != model {tuple(param.shape)}"
-            )
         if isinstance(param, DTensor):
             local = distribute_tensor(
                 value.to(param.device, param.dtype), param.device_mesh, param.placements

@@ -114,9 +114,10 @@ def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters()}
 
 
-@torch.no_grad()
-def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``tensors`` into the model's parameters; every name must match in name and shape."""
+def matching_parameters(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The model's parameters, after checking ``tensors`` has exactly their names and shapes."""
     params = parameters_of(model)
     missing = sorted(set(params) - set(tensors))
     extra = sorted(set(tensors) - set(params))
@@ -125,12 +126,17 @@ def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
             f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}"
         )
     for name, param in params.items():
-        value = tensors[name]
-        if tuple(value.shape) != tuple(param.shape):
-            raise ModelConfigError(
-                f"parameter {name}: shape {tuple(value.shape)} != model {tuple(param.shape)}"
-            )
-        param.copy_(value)
+        shape = tuple(tensors[name].shape)
+        if shape != tuple(param.shape):
+            raise ModelConfigError(f"parameter {name}: shape {shape} != model {tuple(param.shape)}")
+    return params
+
+
+@torch.no_grad()
+def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` into the model's parameters; every name must match in name and shape."""
+    for name, param in matching_parameters(model, tensors).items():
+        param.copy_(tensors[name])
 
 
 def count_parameters(model: torch.nn.Module) -> int:
