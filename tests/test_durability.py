@@ -6,10 +6,12 @@ a blob upload, after a merge's files are written but before it commits, and afte
 but before retention. After each restart the generation, the fp32 master and momentum and the
 bf16 global model must equal (bitwise) an uninterrupted outer step over the accepted deltas,
 the ledger must hold each committed block once, and a site resending gets the same answer.
+A merge that fails without a crash (a full disk) leaves the in-memory state as on disk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sqlite3
 import threading
@@ -22,9 +24,10 @@ from safetensors.torch import load_file
 
 from crossfed.compress import open_delta
 from crossfed.coordinator.faults import ENV
+from crossfed.coordinator.service import Coordinator
 from crossfed.outer import OuterConfig, outer_step
-from crossfed.transport import digest_file
-from tests.conftest import LiveCoordinator
+from crossfed.transport import digest_file, save_delta
+from tests.conftest import LiveCoordinator, digest_of, tiny_spec
 from tests.test_coordinator_http import (
     committed_rows,
     delta_file,
@@ -33,8 +36,6 @@ from tests.test_coordinator_http import (
     submit,
     wait_round_closed,
 )
-
-pytestmark = pytest.mark.slow
 
 TOKENS = {"snellius": 3000, "lumi": 1000}
 
@@ -97,6 +98,7 @@ def assert_ledger_once(live: LiveCoordinator, leases: list[dict]) -> None:
     assert len(rows) == len({(r[0], r[1]) for r in rows}) == sum(h["n_blocks"] for h in leases)
 
 
+@pytest.mark.slow
 def test_sigkill_after_lease_upload_submit_and_merge(
     run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,6 +134,7 @@ def test_sigkill_after_lease_upload_submit_and_merge(
             assert submit(run, site, lease, path, tokens=TOKENS[site], inline=inline)["already"]
 
 
+@pytest.mark.slow
 def test_sigkill_inside_the_merge_before_its_commit_redoes_it_identically(
     run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,6 +159,7 @@ def test_sigkill_inside_the_merge_before_its_commit_redoes_it_identically(
     assert submit(run, "lumi", b, db, tokens=TOKENS["lumi"])["already"]
 
 
+@pytest.mark.slow
 def test_sigkill_after_the_merge_commits_before_retention(
     run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -185,6 +189,7 @@ def test_sigkill_after_the_merge_commits_before_retention(
     assert_ledger_once(run, [a, c])
 
 
+@pytest.mark.slow
 def test_sigkill_in_the_middle_of_a_blob_upload_resumes_it(
     run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -212,3 +217,44 @@ def test_sigkill_in_the_middle_of_a_blob_upload_resumes_it(
     assert offsets.count("0") == 1  # resumed at the first part's end, not sent again
     assert submit(run, "snellius", a, da, tokens=TOKENS["snellius"])["accepted"]
     assert not list((run.state_dir / "blobs" / ".uploads").iterdir())
+
+
+def test_a_merge_that_fails_before_its_commit_leaves_no_half_step(
+    tmp_path: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    coord = Coordinator(tmp_path / "state", clock=lambda: now[0])
+    coord.init_run(tiny_spec(tiny_data))
+    master0 = {k: v.clone() for k, v in coord.master.items()}
+    coord.register("lumi", digest_of(tiny_data), 1, 1.0)
+    held = coord.lease("lumi", 1, 2, None, 1.0)["lease"]
+    gen = torch.Generator().manual_seed(9)
+    site = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in master0.items()}
+    path = tmp_path / "delta.safetensors"
+    key = save_delta(site, master0, path)
+    asyncio.run(coord.blobs.write_stream(key, _body(path.read_bytes()), 1 << 30))
+    coord.submit(
+        site="lumi", round_no=1, lease_id=held["lease_id"], generation=0, tokens=100, steps=4,
+        consumed=held["n_blocks"], blob=key,
+    )  # fmt: skip
+    write = coord._write_generation
+
+    def disk_full(generation: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(coord, "_write_generation", disk_full)
+    now[0] += 60.0
+    with pytest.raises(OSError):
+        coord.tick()
+    assert all(torch.equal(coord.master[k], master0[k]) for k in master0)
+    assert coord.momentum == {} and coord.status()["generation"] == 0
+    monkeypatch.setattr(coord, "_write_generation", write)
+    assert coord.tick()["generation"] == 1  # the retry takes exactly one step
+    expected = expected_step({k: v.clone() for k, v in master0.items()}, [(path, 100)])
+    assert all(torch.equal(coord.master[k], expected[k]) for k in coord.master)
+    assert all(torch.equal(coord.momentum[k], expected[f"momentum::{k}"]) for k in coord.momentum)
+
+
+async def _body(data: bytes):
+    for lo in range(0, len(data), 1 << 16):
+        yield data[lo : lo + (1 << 16)]

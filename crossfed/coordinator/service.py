@@ -87,13 +87,18 @@ class Coordinator:
         if self.book.active_leases():  # sites could not heartbeat while we were down
             with self._mutation():
                 self._event("grace", {"now": self.clock()})
+        generation = self._restore_state()
+        log.info("loaded run at generation %d (%d ledger events replayed)", generation, replayed)
+
+    def _restore_state(self) -> int:
+        """Master and momentum as the last committed generation has them on disk."""
         generation = store.get_meta(self.conn, "generation", 0)
         tensors = load_file(str(self._master_path(generation)))
         self.master = {k: v for k, v in tensors.items() if not k.startswith(MOMENTUM)}
         self.momentum = {
             k[len(MOMENTUM) :]: v for k, v in tensors.items() if k.startswith(MOMENTUM)
         }
-        log.info("loaded run at generation %d (%d ledger events replayed)", generation, replayed)
+        return generation
 
     def init_run(self, spec: RunSpec) -> dict[str, Any]:
         """Create the run (generation 0 from the model seed); the same spec again is a no-op."""
@@ -718,7 +723,19 @@ class Coordinator:
             return self._close_round(current, deltas, reason)
 
     def _close_round(self, current: dict, deltas: list[dict], reason: str) -> dict[str, Any]:
-        """Apply Eq. 1 to the round's deltas, persist generation g+1 and open the next round."""
+        """Apply Eq. 1 to the round's deltas, persist generation g+1 and open the next round.
+
+        The outer step updates master and momentum in place; if anything fails before the
+        new generation is committed (a full disk, a bad delta, SQLite), they are put back as
+        the committed generation has them on disk, so the next attempt never steps twice.
+        """
+        try:
+            return self._merge_and_publish(current, deltas, reason)
+        except BaseException:
+            self._restore_state()
+            raise
+
+    def _merge_and_publish(self, current: dict, deltas: list[dict], reason: str) -> dict[str, Any]:
         assert self.spec is not None
         started = time.perf_counter()
         with ExitStack() as files:  # lazy, decoded views: each delta tensor is read once
