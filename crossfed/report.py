@@ -16,18 +16,6 @@ import pandas as pd  # noqa: E402
 from crossfed.darl.ledger import TABLE3_COLUMNS  # noqa: E402
 from crossfed.train.barrier import idle_shares  # noqa: E402
 
-LEDGER_COLUMNS = [
-    "site",
-    "ranks",
-    "rtt_ms",
-    "entries",
-    "grants",
-    "blocks_granted",
-    "blocks_committed",
-    "blocks_lost",
-    "ttl_expiries",
-]
-
 
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
