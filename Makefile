@@ -26,7 +26,7 @@ system-deps:
 
 test: setup system-deps
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ruff check crossfed tests bench
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q --timeout 1800
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q --timeout 1800 --durations=30
 
 lint: setup
 	$(BIN)/ruff check crossfed tests bench

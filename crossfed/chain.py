@@ -491,6 +491,9 @@ def chain_job(
             raise ChainError(
                 f"--until-walltime must be 'auto', 'none' or seconds, got {until_walltime!r}"
             ) from exc
+    if deadline is not None:  # a round that runs long stops in time to send what it trained
+        stop_at = deadline - float(config["chain"]["margin_s"])
+        settings = replace(settings, stop_training_at=stop_at)
     prior = config["chain"]["round_prior_s"]
     if prior is None:
         prior = round_prior_s(

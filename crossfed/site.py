@@ -96,6 +96,9 @@ class SiteSettings:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     #: steps between in-phase checkpoints (0: only the end-of-phase one)
     checkpoint_every: int = 0
+    #: epoch seconds after which no step may end (a chain job's walltime less its margin):
+    #: the phase stops at the end of the block in progress and sends the blocks trained
+    stop_training_at: float | None = None
 
 
 @dataclass
@@ -104,7 +107,7 @@ class RoundOutcome:
 
     site: str
     round: int
-    status: str  # accepted | missed | no_data | lease_lost | stale
+    status: str  # accepted | missed | no_data | lease_lost | stale | walltime
     detail: str = ""
     generation: int | None = None
     lease_id: int | None = None
@@ -463,9 +466,18 @@ class SiteRunner:
             if resumed_at:
                 outcome.extra["resumed_at_window"] = resumed_at
             lost = broadcast_object(beat.lost, self.ranks)
+            timed_out = state.stopped_early and out_of_time(self.s.stop_training_at, None)
+            if lost is None and state.steps == 0 and timed_out:
+                if self.ranks.main:  # nothing trained: its blocks go back to the pool now
+                    assert self.client is not None
+                    self.client.release(lease["lease_id"], self.s.site)
+                outcome.status, outcome.detail = "walltime", "the walltime came before a step"
+                return outcome
             if lost is not None or state.steps == 0:
                 outcome.status, outcome.detail = "lease_lost", lost or "lease empty"
                 return outcome
+            if timed_out:
+                outcome.detail = f"stopped for the walltime after {outcome.windows} windows"
             pending = self._checkpoint(round_no, start, state, outcome)
             if not self.ranks.main:
                 return outcome
@@ -590,11 +602,16 @@ class SiteRunner:
             reduce_loss=lambda value: sum_float(value, self.ranks, self.device),
         )
 
+        done = [state.windows]
+
         def limit() -> int:
             allowed = 0 if beat.lost is not None else sum(sizes[: beat.allowed_blocks])
+            if out_of_time(self.s.stop_training_at, beat.t_step_s):
+                allowed = min(allowed, block_end(sizes, done[0]))
             return broadcast_int(allowed, self.ranks, self.device)
 
         def on_step(info: StepInfo) -> None:
+            done[0] = info.windows_done
             beat.consumed = max(beat.consumed, self._blocks_covered(lease, info.windows_done))
             beat.t_step_s = info.step_s
             if self.ranks.main and (
@@ -720,6 +737,22 @@ class SiteRunner:
         if pending["round"] != round_no:
             return None
         return outcome
+
+
+def out_of_time(stop_at: float | None, step_s: float | None) -> bool:
+    """Whether another step of ``step_s`` seconds would end after ``stop_at`` (epoch s)."""
+    return stop_at is not None and time.time() + (step_s or 0.0) > stop_at
+
+
+def block_end(sizes: list[int], windows_done: int) -> int:
+    """Windows up to the end of the block in progress after ``windows_done`` (block sizes in
+    lease order): where a phase can stop without leaving a block half trained."""
+    end = 0
+    for size in sizes:
+        if end >= windows_done:
+            break
+        end += size
+    return end
 
 
 def outcome_json(outcome: RoundOutcome) -> str:

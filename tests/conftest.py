@@ -13,7 +13,14 @@ import pytest
 import yaml
 
 from crossfed.coordinator.client import CoordinatorClient
-from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
+from crossfed.coordinator.embedded import (
+    EndpointError,
+    ensure_secrets,
+    free_port,
+    launch_coordinator,
+    spawn_coordinator,
+    wait_until_serving,
+)
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.train.prepare import prepare
@@ -78,23 +85,64 @@ def start_process(state_dir: Path, port: int) -> subprocess.Popen:
     return spawn_coordinator(state_dir, state_dir / "secrets.yaml", "127.0.0.1", port, 240)
 
 
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[LiveCoordinator]:
-    """A fresh coordinator process (no run yet)."""
-    state_dir = tmp_path / "coordinator"
-    state_dir.mkdir()
-    secrets = ensure_secrets(state_dir / "secrets.yaml", SITES)
-    port = free_port("127.0.0.1")
-    live = LiveCoordinator(
-        f"http://127.0.0.1:{port}", state_dir, secrets, start_process(state_dir, port), port
-    )
-    yield live
-    if live.process.poll() is None:
-        live.process.terminate()
+class SpareCoordinators:
+    """Fresh coordinator processes, each started while the test before its own runs.
+
+    A coordinator spends seconds importing torch and the web stack before it serves; taking
+    one that was launched a test earlier overlaps that with the earlier test's work.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.count = root, 0
+        self.spare: LiveCoordinator | None = None
+
+    def _launch(self) -> LiveCoordinator:
+        self.count += 1
+        state_dir = self.root / f"coordinator-{self.count}"
+        state_dir.mkdir()
+        secrets = ensure_secrets(state_dir / "secrets.yaml", SITES)
+        port = free_port("127.0.0.1")
+        proc = launch_coordinator(state_dir, state_dir / "secrets.yaml", "127.0.0.1", port)
+        return LiveCoordinator(f"http://127.0.0.1:{port}", state_dir, secrets, proc, port)
+
+    def take(self) -> LiveCoordinator:
+        live = self.spare if self.spare is not None else self._launch()
+        self.spare = None
         try:
-            live.process.wait(timeout=10)
+            wait_until_serving(live.process, live.state_dir, "127.0.0.1", live.port, 240)
+        except EndpointError:  # e.g. its port was taken meanwhile: start one now
+            live = self._launch()
+            wait_until_serving(live.process, live.state_dir, "127.0.0.1", live.port, 240)
+        self.spare = self._launch()
+        return live
+
+    def close(self) -> None:
+        if self.spare is not None:
+            stop(self.spare.process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            live.process.kill()
+            process.kill()
+
+
+@pytest.fixture(scope="session")
+def spare_coordinators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpareCoordinators]:
+    spares = SpareCoordinators(tmp_path_factory.mktemp("coordinators"))
+    yield spares
+    spares.close()
+
+
+@pytest.fixture
+def coordinator(spare_coordinators: SpareCoordinators) -> Iterator[LiveCoordinator]:
+    """A fresh coordinator process (no run yet), its own state directory and tokens."""
+    live = spare_coordinators.take()
+    yield live
+    stop(live.process)
 
 
 @pytest.fixture

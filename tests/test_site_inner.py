@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import yaml
 from crossfed.config import load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.launch import site_settings
-from crossfed.site import SiteRunner
+from crossfed.site import SiteRunner, block_end, out_of_time
 from crossfed.train import checkpoint
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 
@@ -175,3 +177,71 @@ def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_r
     assert outcome.steps == 4 and outcome.windows == 32 and outcome.blocks_committed == 4
     row = ledger_row(coordinator, "lumi")
     assert row["grants"] == 1 and row["blocks_committed"] == 4 and row["blocks_lost"] == 0
+
+
+def test_block_end_finishes_the_block_in_progress() -> None:
+    sizes = [8, 8, 8, 4]  # windows per leased block, the last one short
+    assert [block_end(sizes, done) for done in (0, 1, 8, 9, 16, 25, 28)] == [
+        0, 8, 8, 16, 16, 28, 28,
+    ]  # fmt: skip
+
+
+def test_out_of_time_counts_the_next_step() -> None:
+    now = time.time()
+    assert not out_of_time(None, 1e9)
+    assert not out_of_time(now + 60, 10.0)
+    assert out_of_time(now + 60, 120.0)  # the next step would end after the stop time
+    assert out_of_time(now - 1, None)
+
+
+def test_a_round_past_its_stop_time_sends_the_blocks_it_trained(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """A chain job's walltime comes mid-phase: the phase ends at a block boundary, the blocks
+    trained are committed and the rest of the lease returns to the pool, none lost."""
+    init(coordinator, tiny_data)
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data, slowdown=8.0))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+    runner = SiteRunner(settings, coordinator.client("lumi"))
+    state_dir = tmp_path / "results" / "sites" / "lumi" / "state"
+
+    def walltime_after_the_first_step() -> None:  # the job's clock runs out mid-phase
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (state_dir / "latest.json").exists():
+                cursor = checkpoint.latest(state_dir)
+                if cursor is not None and cursor["windows"] > 0:
+                    runner.s = replace(runner.s, stop_training_at=time.time() - 1)
+                    return
+            time.sleep(0.01)
+
+    clock = threading.Thread(target=walltime_after_the_first_step)
+    clock.start()
+    outcome = runner.run_round(1)
+    clock.join()
+    assert outcome.status == "accepted", outcome.detail
+    assert "walltime" in outcome.detail
+    # steps of 8 windows = one block each: it stopped after 1-2 of the lease's 4 blocks
+    assert outcome.windows in (8, 16) and outcome.blocks_committed == outcome.windows // 8
+    row = ledger_row(coordinator, "lumi")
+    # the rest went back to the pool with the commit (the ledger's blocks_lost: returned
+    # uncommitted), not by a TTL expiry
+    assert row["blocks_committed"] == outcome.blocks_committed
+    assert row["blocks_lost"] == 4 - outcome.blocks_committed and row["ttl_expiries"] == 0
+    # the commit pooled the untrained rest at once: no lease is left holding it
+    assert not coordinator.client().status()["active_leases"]
+
+
+def test_a_round_that_starts_past_its_stop_time_releases_its_lease(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    init(coordinator, tiny_data)
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+    settings = replace(settings, stop_training_at=time.time() - 1)
+    outcome = SiteRunner(settings, coordinator.client("lumi")).run_round(1)
+    assert outcome.status == "walltime" and outcome.steps == 0
+    row = ledger_row(coordinator, "lumi")
+    assert row["grants"] == 1 and row["blocks_committed"] == 0
+    assert row["blocks_lost"] == row["blocks_granted"] and row["ttl_expiries"] == 0
+    assert not coordinator.client().status()["active_leases"]  # released, not left to expire

@@ -98,30 +98,33 @@ def spawn_coordinator(
     state_dir: Path, secrets_path: Path, host: str, port: int, timeout_s: float = 60.0
 ) -> subprocess.Popen:
     """Start ``crossfed coordinator serve`` in its own session and wait until it answers."""
-    log_path = state_dir / "coordinator.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "crossfed",
-        "coordinator",
-        "serve",
-        "--state-dir",
-        str(state_dir),
-        "--secrets",
-        str(secrets_path),
-        "--host",
-        host,
-        "--port",
-        str(port),
-    ]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
+    proc = launch_coordinator(state_dir, secrets_path, host, port)
+    wait_until_serving(proc, state_dir, host, port, timeout_s)
+    return proc
+
+
+def launch_coordinator(
+    state_dir: Path, secrets_path: Path, host: str, port: int
+) -> subprocess.Popen:
+    """Start ``crossfed coordinator serve`` in its own session; do not wait for it."""
+    cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve"]
+    cmd += ["--state-dir", str(state_dir), "--secrets", str(secrets_path)]
+    cmd += ["--host", host, "--port", str(port)]
+    with open(state_dir / "coordinator.log", "ab") as log:
+        return subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+
+def wait_until_serving(
+    proc: subprocess.Popen, state_dir: Path, host: str, port: int, timeout_s: float
+) -> None:
+    """Poll ``/v1/health`` until the coordinator answers; kill it if it never does."""
+    log_path = state_dir / "coordinator.log"
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -130,7 +133,7 @@ def spawn_coordinator(
             raise EndpointError(f"coordinator exited with {proc.returncode}; {log_path}:\n{tail}")
         try:
             if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
-                return proc
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
