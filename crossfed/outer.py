@@ -309,6 +309,19 @@ def _merge_fused(
     fn(w.view(-1), b.view(-1), coef, *flat)
 
 
+def warm_up(params: int, kernel: Kernel = "auto") -> bool:
+    """Compile now the kernel a merge of a ``params``-parameter model would compile on first
+    use (up to ``_FUSED_ARITY`` contributors); True when a compiled kernel is ready.
+
+    The coordinator calls this in the background when it loads a run, so the first round's
+    merge does not pay the compile (seconds) while every site waits for the new model.
+    """
+    try:
+        return _pick_fused(kernel, params, 1) is not None
+    except RuntimeError:
+        return False
+
+
 def outer_step(
     master: MutableMapping[str, Tensor],
     momentum: MutableMapping[str, Tensor],

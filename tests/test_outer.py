@@ -360,6 +360,22 @@ def test_auto_falls_back_to_eager_when_the_fused_kernel_cannot_compile(
     assert all(torch.equal(master[k], want[k]) for k in want)
 
 
+def test_warm_up_compiles_only_what_a_merge_of_that_size_uses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiled: list[int] = []
+    monkeypatch.setattr(outer, "_get_fused", lambda width: compiled.append(width) or max)
+    assert outer.warm_up(outer._FUSED_MIN_PARAMS - 1) is False and compiled == []  # eager
+    assert outer.warm_up(outer._FUSED_MIN_PARAMS) is True and compiled == [outer._FUSED_ARITY]
+    assert outer.warm_up(10**9, kernel="eager") is False and len(compiled) == 1
+
+    def cannot_compile(width: int):
+        raise RuntimeError("fused outer-step kernel unavailable: no compiler")
+
+    monkeypatch.setattr(outer, "_get_fused", cannot_compile)
+    assert outer.warm_up(10**9) is False and outer.warm_up(10**9, kernel="fused") is False
+
+
 @pytest.mark.slow
 def test_fused_kernel_handles_more_contributors_than_its_arity(small_blocks: None) -> None:
     gen = torch.Generator().manual_seed(10)

@@ -31,7 +31,7 @@ from crossfed.coordinator.runspec import RunSpec
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
 from crossfed.darl.ledger import LedgerError, LedgerStore, apply_event
-from crossfed.outer import DeltaError, outer_step, validate_delta
+from crossfed.outer import DeltaError, outer_step, validate_delta, warm_up
 from crossfed.transport import digest_file, save_tensors
 
 log = logging.getLogger("crossfed.coordinator")
@@ -89,6 +89,8 @@ class Coordinator:
                 self._event("grace", {"now": self.clock()})
         generation = self._restore_state()
         log.info("loaded run at generation %d (%d ledger events replayed)", generation, replayed)
+        params = sum(t.numel() for t in self.master.values())
+        threading.Thread(target=warm_up, args=(params,), name="warm-merge", daemon=True).start()
 
     def _restore_state(self) -> int:
         """Master and momentum as the last committed generation has them on disk."""
