@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -56,7 +57,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     from crossfed.coordinator.service import Coordinator
 
     coordinator = Coordinator(Path(args.state_dir))
-    app = create_app(coordinator, Tokens.load(Path(args.secrets)))
+    app = create_app(coordinator, Tokens.load(Path(args.secrets)), max_request_s=args.max_request_s)
     ssl = {}
     if args.ssl_certfile:
         ssl = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
@@ -400,6 +401,16 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be finite and > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crossfed",
@@ -418,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--secrets", required=True, help="YAML with 'admin' and per-site tokens")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8470)
+    serve.add_argument(
+        "--max-request-s",
+        type=_positive_seconds,
+        default=120.0,
+        help="cut a weight transfer after this long; the client resumes it (default: 120)",
+    )
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
     serve.add_argument("--ssl-keyfile")
     serve.set_defaults(func=cmd_coordinator_serve)

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from crossfed.coordinator.app import Tokens, create_app
 from crossfed.coordinator.blobs import BlobError, BlobStore, check_key
 from crossfed.coordinator.client import CoordinatorClient, IntegrityError, Refused, Unreachable
+from crossfed.coordinator.embedded import client_for, start_embedded, stop_embedded
 from crossfed.coordinator.ranged import RangeError, parse_range
 from crossfed.coordinator.service import Coordinator
 from crossfed.transport import (
@@ -536,3 +537,39 @@ def test_http_refusals_name_the_problem(server: Server, tmp_path: Path) -> None:
         CoordinatorClient("http://127.0.0.1:9", "t", retry_budget_s=0.5).download_blob(
             key, tmp_path / "x"
         )
+
+
+def test_the_configured_request_bound_reaches_a_real_coordinator_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``coordinator.max_request_s`` goes to ``crossfed coordinator serve --max-request-s``
+    and ``transport.part_bytes`` to the client: downloads come in cut-short ranges."""
+    state = tmp_path / "coordinator"
+    config = {
+        "coordinator": {
+            "url": "embedded",
+            "state_dir": str(state),
+            "secrets": str(state / "secrets.yaml"),
+            "host": "127.0.0.1",
+            "port": 0,
+            "max_request_s": 1e-6,  # every response is cut after its first chunk
+        },
+        "transport": {"part_bytes": 32 * MiB},
+    }
+    url = start_embedded(config, ["lumi"])
+    try:
+        data = os.urandom(9 * MiB + 7)
+        key = blake(data)
+        store = BlobStore(state / "blobs")  # the same store on disk, written directly
+        asyncio.run(store.write_part(key, body(data, piece=MiB), max_bytes=1 << 30))
+        client = client_for(config, "lumi")
+        assert client.part_bytes == 32 * MiB and client.url == url
+        ranges: list[str] = []
+        client.http.event_hooks["request"] = [lambda r: ranges.append(r.headers["range"])]
+        assert client.download_blob(key, tmp_path / "out.bin").read_bytes() == data
+        assert ranges == [f"bytes={n * 4 * MiB}-{n * 4 * MiB + 32 * MiB - 1}" for n in range(3)]
+    finally:
+        assert stop_embedded(config)
+    monkeypatch.setenv("CROSSFED_TOKEN", "t")
+    config["transport"] = {}  # the default part size when the key is absent
+    assert client_for({**config, "coordinator": {"url": url}}, "lumi").part_bytes == 64 * MiB

@@ -18,6 +18,7 @@ import httpx
 import yaml
 
 from crossfed.coordinator.client import CoordinatorClient
+from crossfed.transport import PART_BYTES
 
 ENDPOINT = "endpoint.json"
 
@@ -75,6 +76,8 @@ def coordinator_url(config: dict[str, Any]) -> str:
 
 
 def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorClient:
+    """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``."""
+    kwargs.setdefault("part_bytes", config.get("transport", {}).get("part_bytes", PART_BYTES))
     return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
 
 
@@ -95,21 +98,32 @@ def _alive(pid: int) -> bool:
 
 
 def spawn_coordinator(
-    state_dir: Path, secrets_path: Path, host: str, port: int, timeout_s: float = 60.0
+    state_dir: Path,
+    secrets_path: Path,
+    host: str,
+    port: int,
+    timeout_s: float = 60.0,
+    max_request_s: float | None = None,
 ) -> subprocess.Popen:
     """Start ``crossfed coordinator serve`` in its own session and wait until it answers."""
-    proc = launch_coordinator(state_dir, secrets_path, host, port)
+    proc = launch_coordinator(state_dir, secrets_path, host, port, max_request_s)
     wait_until_serving(proc, state_dir, host, port, timeout_s)
     return proc
 
 
 def launch_coordinator(
-    state_dir: Path, secrets_path: Path, host: str, port: int
+    state_dir: Path,
+    secrets_path: Path,
+    host: str,
+    port: int,
+    max_request_s: float | None = None,
 ) -> subprocess.Popen:
     """Start ``crossfed coordinator serve`` in its own session; do not wait for it."""
     cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve"]
     cmd += ["--state-dir", str(state_dir), "--secrets", str(secrets_path)]
     cmd += ["--host", host, "--port", str(port)]
+    if max_request_s is not None:
+        cmd += ["--max-request-s", str(max_request_s)]
     with open(state_dir / "coordinator.log", "ab") as log:
         return subprocess.Popen(
             cmd,
@@ -150,7 +164,8 @@ def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 
     ensure_secrets(secrets_path, sites)
     host = config["coordinator"]["host"]
     port = config["coordinator"]["port"] or free_port(host)
-    proc = spawn_coordinator(state_dir, secrets_path, host, port, timeout_s)
+    max_request_s = config["coordinator"].get("max_request_s")
+    proc = spawn_coordinator(state_dir, secrets_path, host, port, timeout_s, max_request_s)
     url = f"http://{host}:{port}"
     (state_dir / ENDPOINT).write_text(json.dumps({"url": url, "pid": proc.pid}))
     return url
