@@ -466,7 +466,10 @@ class SiteRunner:
             if resumed_at:
                 outcome.extra["resumed_at_window"] = resumed_at
             lost = broadcast_object(beat.lost, self.ranks)
-            timed_out = state.stopped_early and out_of_time(self.s.stop_training_at, None)
+            # rank 0 alone knows the walltime (Slurm's end time): its verdict holds for all
+            timed_out = broadcast_object(
+                state.stopped_early and out_of_time(self.s.stop_training_at, None), self.ranks
+            )
             if lost is None and state.steps == 0 and timed_out:
                 if self.ranks.main:  # nothing trained: its blocks go back to the pool now
                     assert self.client is not None
