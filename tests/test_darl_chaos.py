@@ -154,6 +154,22 @@ def journal(work: Path) -> list[dict]:
     return events
 
 
+def settle(sites: dict[str, SiteProcess], timeout_s: float = 90.0) -> None:
+    """Epoch 0 is complete: let every site hear the answer to the delta it has in flight.
+
+    Running sites finish their send and leave on their own (their next register says the
+    epoch is over); a site the chaos killed with a checkpointed delta still pending starts
+    once more to resend it. Killing them instead could leave a commit the coordinator made
+    and its site never heard of, which the journal audit would rightly flag.
+    """
+    for site in sites.values():
+        if not site.running and (site.work / site.name / "pending.json").exists():
+            site.start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(site.running for site in sites.values()):
+        time.sleep(0.2)
+
+
 def test_exactly_once_under_chaos(tmp_path: Path, tiny_data: Path) -> None:
     rng = random.Random(SEED)
     n_windows = read_meta(tiny_data)["n_windows"]
@@ -190,6 +206,7 @@ def test_exactly_once_under_chaos(tmp_path: Path, tiny_data: Path) -> None:
                 token = ["--token-file", str(work / f"{name}.token")]
                 sites[name] = SiteProcess(name, work, base + token)
             chaos = run_chaos(live, sites, rng)
+            settle(sites)
             delayed = proxy.delayed
         for site in sites.values():
             site.kill()
