@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from crossfed.coordinator.client import CoordinatorClient
@@ -22,9 +24,11 @@ from crossfed.coordinator.embedded import (
     wait_until_serving,
 )
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
+from crossfed.coordinator.service import Coordinator
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.train.prepare import prepare
 from crossfed.train.windows import read_meta
+from crossfed.transport import save_delta
 
 REPO = Path(__file__).resolve().parent.parent
 SITES = ["snellius", "lumi", "frontier"]
@@ -170,6 +174,41 @@ def digest_of(data_dir: Path, block_size: int = 8, seed: int = 7) -> str:
 def write_yaml(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+@dataclass
+class StagedDelta:
+    """An in-process coordinator whose round 1 has lumi's delta in its blob store."""
+
+    coord: Coordinator
+    now: list[float]  # the coordinator's clock: now[0] seconds
+    master0: dict[str, torch.Tensor]  # generation 0
+    held: dict  # lumi's lease
+    path: Path  # the delta file
+    key: str  # its blob key
+
+
+def staged_delta(state_dir: Path, data: Path, *, seed: int, codec: str = "none") -> StagedDelta:
+    """A coordinator (clock at 1000 s) over ``data``; lumi registered, holding a 2-block lease
+    of round 1, its delta (generation 0 plus seeded noise) uploaded but not yet submitted."""
+    now = [1000.0]
+    coord = Coordinator(state_dir, clock=lambda: now[0])
+    coord.init_run(tiny_spec(data))
+    master0 = {k: v.clone() for k, v in coord.master.items()}
+    coord.register("lumi", digest_of(data), 1, 1.0)
+    held = coord.lease("lumi", 1, 2, None, 1.0)["lease"]
+    gen = torch.Generator().manual_seed(seed)
+    site = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in master0.items()}
+    path = state_dir.parent / "delta.safetensors"
+    key = save_delta(site, master0, path, codec=codec)
+    asyncio.run(coord.blobs.write_stream(key, chunked(path.read_bytes()), 1 << 30))
+    return StagedDelta(coord, now, master0, held, path, key)
+
+
+async def chunked(data: bytes, size: int = 1 << 16) -> AsyncIterator[bytes]:
+    """``data`` as an async body of ``size``-byte chunks."""
+    for lo in range(0, len(data), size):
+        yield data[lo : lo + size]
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")

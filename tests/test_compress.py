@@ -22,7 +22,7 @@ from crossfed.compress import (
 from crossfed.coordinator.service import Coordinator, CoordinatorError
 from crossfed.outer import outer_step, validate_delta
 from crossfed.transport import digest_file, save_delta
-from tests.conftest import digest_of, tiny_spec
+from tests.conftest import chunked, digest_of, staged_delta, tiny_spec
 
 
 @pytest.mark.parametrize("shape", [(1000,), (37, 29), (3, 256), (1,), (0, 5)])
@@ -128,19 +128,9 @@ def test_unknown_codec_names_are_refused() -> None:
 def test_the_coordinator_decodes_int8_deltas_before_validating_and_merging(
     tmp_path: Path, tiny_data: Path
 ) -> None:
-    now = [1000.0]
-    coord = Coordinator(tmp_path / "state", clock=lambda: now[0])
-    spec = tiny_spec(tiny_data)
-    coord.init_run(spec)
-    master0 = {k: v.clone() for k, v in coord.master.items()}
-    coord.register("lumi", digest_of(tiny_data), 1, 1.0)
-    held = coord.lease("lumi", 1, 2, None, 1.0)["lease"]
-
-    gen = torch.Generator().manual_seed(5)
-    site = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in master0.items()}
-    path = tmp_path / "delta.safetensors"
-    key = save_delta(site, master0, path, codec="int8")
-    asyncio.run(coord.blobs.write_stream(key, _chunks(path.read_bytes()), 1 << 30))
+    staged = staged_delta(tmp_path / "state", tiny_data, seed=5, codec="int8")
+    coord, now, master0, held = staged.coord, staged.now, staged.master0, staged.held
+    path, key, spec = staged.path, staged.key, tiny_spec(tiny_data)
     fields = dict(site="lumi", round_no=1, lease_id=held["lease_id"], generation=0, steps=4)
     reply = coord.submit(**fields, tokens=100, consumed=held["n_blocks"], blob=key)
     assert reply["accepted"]
@@ -168,7 +158,7 @@ def test_a_corrupted_int8_delta_is_rejected_before_commit(tmp_path: Path, tiny_d
     tensors[first] = torch.ones(tensors[first].numel() + 1)  # one scale too many
     path = _write(tmp_path / "bad.safetensors", tensors, meta)
     key = digest_file(path)
-    asyncio.run(coord.blobs.write_stream(key, _chunks(path.read_bytes()), 1 << 30))
+    asyncio.run(coord.blobs.write_stream(key, chunked(path.read_bytes()), 1 << 30))
     with pytest.raises(CoordinatorError) as caught:
         coord.submit(
             site="lumi",
@@ -182,8 +172,3 @@ def test_a_corrupted_int8_delta_is_rejected_before_commit(tmp_path: Path, tiny_d
         )
     assert caught.value.status == 422 and "scales" in caught.value.message
     assert coord.status()["blocks_committed_total"] == 0
-
-
-async def _chunks(data: bytes):
-    for lo in range(0, len(data), 1 << 16):
-        yield data[lo : lo + (1 << 16)]

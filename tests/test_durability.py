@@ -11,7 +11,6 @@ A merge that fails without a crash (a full disk) leaves the in-memory state as o
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sqlite3
 import threading
@@ -24,10 +23,9 @@ from safetensors.torch import load_file
 
 from crossfed.compress import open_delta
 from crossfed.coordinator.faults import ENV
-from crossfed.coordinator.service import Coordinator
 from crossfed.outer import OuterConfig, outer_step
-from crossfed.transport import digest_file, save_delta
-from tests.conftest import LiveCoordinator, digest_of, tiny_spec
+from crossfed.transport import digest_file
+from tests.conftest import LiveCoordinator, staged_delta
 from tests.test_coordinator_http import (
     committed_rows,
     delta_file,
@@ -222,17 +220,9 @@ def test_sigkill_in_the_middle_of_a_blob_upload_resumes_it(
 def test_a_merge_that_fails_before_its_commit_leaves_no_half_step(
     tmp_path: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    now = [1000.0]
-    coord = Coordinator(tmp_path / "state", clock=lambda: now[0])
-    coord.init_run(tiny_spec(tiny_data))
-    master0 = {k: v.clone() for k, v in coord.master.items()}
-    coord.register("lumi", digest_of(tiny_data), 1, 1.0)
-    held = coord.lease("lumi", 1, 2, None, 1.0)["lease"]
-    gen = torch.Generator().manual_seed(9)
-    site = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in master0.items()}
-    path = tmp_path / "delta.safetensors"
-    key = save_delta(site, master0, path)
-    asyncio.run(coord.blobs.write_stream(key, _body(path.read_bytes()), 1 << 30))
+    staged = staged_delta(tmp_path / "state", tiny_data, seed=9)
+    coord, now, master0, held = staged.coord, staged.now, staged.master0, staged.held
+    path, key = staged.path, staged.key
     coord.submit(
         site="lumi", round_no=1, lease_id=held["lease_id"], generation=0, tokens=100, steps=4,
         consumed=held["n_blocks"], blob=key,
@@ -253,8 +243,3 @@ def test_a_merge_that_fails_before_its_commit_leaves_no_half_step(
     expected = expected_step({k: v.clone() for k, v in master0.items()}, [(path, 100)])
     assert all(torch.equal(coord.master[k], expected[k]) for k in coord.master)
     assert all(torch.equal(coord.momentum[k], expected[f"momentum::{k}"]) for k in coord.momentum)
-
-
-async def _body(data: bytes):
-    for lo in range(0, len(data), 1 << 16):
-        yield data[lo : lo + (1 << 16)]
