@@ -63,6 +63,7 @@ def site_settings(
             weight_decay=inner["weight_decay"],
             grad_clip=inner["grad_clip"],
             slowdown=site["slowdown"],
+            min_step_s=site["min_step_s"],
         ),
         heartbeat_s=config["darl"]["heartbeat_s"],
         inline_max_bytes=config["transport"]["inline_max_bytes"],

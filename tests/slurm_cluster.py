@@ -124,6 +124,10 @@ DEFAULT_PARTITIONS: dict[str, PartitionSpec] = {
     "snellius": PartitionSpec(
         nodes=("n3", "n4"), max_time="00:30:00", gpus_per_node=4, gpu_type="h100"
     ),
+    # CPU-only, for a workflow's small jobs (data preparation, evaluation), as real sites
+    # keep them off the training partitions: a pending job of the workflow's own in a
+    # training partition would push that partition's probe out by its walltime
+    "small": PartitionSpec(nodes=("n5",), max_time="00:30:00"),
 }
 
 

@@ -46,7 +46,10 @@ ESTIMATE_RE = re.compile(
 
 def _ports() -> ClusterPorts:
     return ClusterPorts(
-        mariadb=1, slurmdbd=2, slurmctld=3, slurmd={"n1": 11, "n2": 12, "n3": 13, "n4": 14}
+        mariadb=1,
+        slurmdbd=2,
+        slurmctld=3,
+        slurmd={"n1": 11, "n2": 12, "n3": 13, "n4": 14, "n5": 15},
     )
 
 
@@ -168,12 +171,13 @@ def test_data_file_holds_every_test_only_case() -> None:
 
 
 @pytest.mark.slurm
-def test_both_partitions_are_up_and_idle(slurm_cluster: SlurmTestCluster) -> None:
+def test_every_partition_is_up_and_idle(slurm_cluster: SlurmTestCluster) -> None:
     out = slurm_cluster.run("sinfo", "-h", "-o", "%P|%a|%l|%D|%T|%G").stdout
     rows = {line.split("|")[0]: line.split("|")[1:] for line in out.splitlines()}
     assert rows == {
         "lumi*": ["up", "10:00", "2", "idle", "gpu:mi250x:8"],
         "snellius": ["up", "30:00", "2", "idle", "gpu:h100:4"],
+        "small": ["up", "30:00", "1", "idle", "(null)"],
     }
 
 
@@ -187,7 +191,7 @@ def test_cluster_config_is_reachable_without_slurm_conf(slurm_cluster: SlurmTest
     out = subprocess.run(
         ["sinfo", "-h", "-o", "%P"], env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.split() == ["lumi*", "snellius"]
+    assert out.stdout.split() == ["lumi*", "snellius", "small"]
 
 
 @pytest.mark.slurm

@@ -1,7 +1,8 @@
 """End to end on a real Slurm 22.05: the workflow's Slurm profile drives two sites.
 
-The single-host test cluster (tests/slurm_cluster.py) has two partitions with different
+The single-host test cluster (tests/slurm_cluster.py) has two GPU partitions with different
 walltime caps; each is one site: ``lumi`` runs 2-minute jobs, ``snellius`` 5-minute ones.
+Data preparation and evaluation jobs go to the CPU-only ``small`` partition.
 This host is the login node: the embedded coordinator listens on loopback and the Slurm
 jobs, which run on the same host, reach it there. The workflow probes both partitions with
 ``sbatch --test-only``, captures ``sacct`` history for the walltime discount, plans, and the
@@ -62,7 +63,10 @@ def workdir(tmp_path: Path, cluster: SlurmTestCluster) -> Path:
         "lumi": {
             **site,
             "transport": "nat",
-            "slowdown": 40.0,  # rounds of 10-60 s: a 2-minute job fits only a few
+            "slowdown": 40.0,
+            # each step lasts >= 2.5 s however fast the machine: a round trains >= 15 s, so
+            # a 2-minute job (less ~30 s of start-up and the 15-s margin) cannot train all
+            "min_step_s": 2.5,
             "max_walltime_h": 10 / 60,
             "shapes": [shape("gcd1-2m", "lumi", "00:02:00")],
         },
@@ -70,6 +74,7 @@ def workdir(tmp_path: Path, cluster: SlurmTestCluster) -> Path:
             **site,
             "transport": "direct",
             "slowdown": 20.0,
+            "min_step_s": 1.2,
             "max_walltime_h": 0.5,
             "shapes": [shape("h100-5m", "snellius", "00:05:00")],
         },
@@ -86,7 +91,7 @@ def workdir(tmp_path: Path, cluster: SlurmTestCluster) -> Path:
             "seconds-between-status-checks": 1,
             "default-resources": {
                 "slurm_account": cluster.account,
-                "slurm_partition": "lumi",
+                "slurm_partition": "small",  # data preparation and evaluation
                 "runtime": 5,
                 "mem_mb": 500,  # test nodes have 1 GB
                 "cpus_per_task": 1,

@@ -4,6 +4,7 @@ a phase resumed from its checkpoint ends where the uninterrupted one does."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,19 @@ def test_rank_shares_and_step_limits() -> None:
         plan_step(0, 9, InnerConfig(micro_batch=2, ranks=2, accumulation=2))
     with pytest.raises(InnerConfigError, match="accumulation"):
         InnerConfig(accumulation=0)
+
+
+def test_a_simulated_step_floor_holds_every_step_to_min_step_s(tiny_data: Path) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    lease = LeaseWindows.of([(0, 12)])
+    config = InnerConfig(micro_batch=4, ranks=1, accumulation=1, min_step_s=0.3)
+    t0 = time.monotonic()
+    _, _, state, _ = _phase(store, lease, config)
+    assert state.steps == 3
+    assert time.monotonic() - t0 >= 3 * 0.3  # slept up to the floor, not just counted it
+    assert state.compute_s >= 3 * 0.3
+    with pytest.raises(InnerConfigError, match="min_step_s"):
+        InnerConfig(min_step_s=-1.0)
 
 
 def test_lease_positions_map_to_dataset_windows_in_lease_order() -> None:

@@ -44,6 +44,9 @@ class InnerConfig:
     grad_clip: float = 1.0
     #: simulated slowness of a local site: each step is stretched to ``slowdown`` times its cost
     slowdown: float = 1.0
+    #: simulated floor of a local site: each step lasts at least this long (after ``slowdown``),
+    #: so simulated rounds take the same time on fast and slow machines
+    min_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "ranks", "accumulation"):
@@ -52,6 +55,8 @@ class InnerConfig:
                 raise InnerConfigError(f"inner {name} must be a positive integer, got {value!r}")
         if not self.slowdown >= 1.0:
             raise InnerConfigError(f"inner slowdown must be >= 1, got {self.slowdown!r}")
+        if not self.min_step_s >= 0.0:
+            raise InnerConfigError(f"inner min_step_s must be >= 0, got {self.min_step_s!r}")
 
     @property
     def windows_per_step(self) -> int:
@@ -347,7 +352,7 @@ def run_inner_phase(
     def len_of(position: int) -> int:  # a lease smaller than its ranks: read one to learn it
         return read_positions(read, lease, position, position + 1).shape[1]
 
-    slowdown = trainer.config.slowdown
+    slowdown, min_step_s = trainer.config.slowdown, trainer.config.min_step_s
     for plan in plan_steps(total, trainer.config, start=state.windows):
         limit = window_limit() if window_limit else total
         if plan.start + plan.n > limit:
@@ -363,6 +368,9 @@ def run_inner_phase(
         if slowdown > 1.0:
             time.sleep(step_s * (slowdown - 1.0))
             step_s *= slowdown
+        if step_s < min_step_s:
+            time.sleep(min_step_s - step_s)
+            step_s = min_step_s
         state.steps += 1
         state.windows += plan.n
         state.compute_s += step_s
