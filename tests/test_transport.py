@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -178,6 +179,17 @@ def test_a_blob_uploaded_in_parts_is_verified_and_renamed_into_place(tmp_path: P
 
     state = asyncio.run(store.write_part(key, again(), max_bytes=1 << 20))
     assert state["complete"] is True and consumed == [5000, 5000]
+
+
+def test_a_store_whose_folders_were_deleted_under_it_recreates_them(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    shutil.rmtree(tmp_path / "blobs")  # an operator cleans up under a running coordinator
+    assert store.prune([], [], grace_s=0) == []
+    data = os.urandom(5000)
+    key = blake(data)
+    assert store.upload_state(key)["offset"] == 0
+    assert put(store, key, data)["complete"] is True
+    assert store.path(key).read_bytes() == data
 
 
 def test_a_part_at_the_wrong_offset_is_refused_with_the_offset_to_use(tmp_path: Path) -> None:

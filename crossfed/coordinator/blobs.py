@@ -184,6 +184,7 @@ class BlobStore:
             upload.hashed = staged
         limit = max_bytes if total is None else total
         loop = asyncio.get_running_loop()
+        part.parent.mkdir(parents=True, exist_ok=True)  # recreated if deleted under us
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         pending: asyncio.Future[None] | None = None
         batch: list[bytes] = []
@@ -295,7 +296,7 @@ class BlobStore:
             if key in drop_set or _mtime(path) < cutoff:
                 path.unlink(missing_ok=True)
                 deleted.append(key)
-        for part in self.staging.iterdir():
+        for part in self.staging.iterdir() if self.staging.is_dir() else ():
             match = _PART_NAME.match(part.name)
             if match is None:
                 continue
