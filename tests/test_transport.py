@@ -522,6 +522,20 @@ def test_a_download_cut_at_the_request_deadline_resumes(tmp_path: Path) -> None:
     assert ranges[:3] == [f"bytes={n * 4 * MiB}-{n * 4 * MiB + 64 * MiB - 1}" for n in range(3)]
 
 
+def test_downloads_read_the_socket_in_large_pieces(server: Server, tmp_path: Path) -> None:
+    import httpcore
+
+    from crossfed.coordinator.client import RESPONSE_READ_BYTES
+
+    assert httpcore.HTTP11Connection.READ_NUM_BYTES >= RESPONSE_READ_BYTES  # set on import
+    data = os.urandom(2 * RESPONSE_READ_BYTES + 7)  # pieces larger than one range: still whole
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data)
+    client = server.client(part_bytes=RESPONSE_READ_BYTES // 2)
+    key = client.upload_blob(path)
+    assert client.download_blob(key, tmp_path / "out.bin").read_bytes() == data
+
+
 def test_an_empty_blob_round_trips(server: Server, tmp_path: Path) -> None:
     path = tmp_path / "empty.bin"
     path.write_bytes(b"")
