@@ -50,7 +50,12 @@ from merge import scaled_layout  # noqa: E402  (sibling benchmark: the Qwen3-0.6
 
 from crossfed.coordinator.client import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port  # noqa: E402
-from crossfed.transport import TensorSpec, iter_chunks, save_stream  # noqa: E402
+from crossfed.transport import (  # noqa: E402
+    TensorSpec,
+    iter_chunks,
+    keep_stream_buffers_in_heap,
+    save_stream,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -176,6 +181,7 @@ def proc_cpu(pid: int) -> float:
 
 def _client(args: dict, out: mp.Queue) -> None:
     """One operation in a fresh client process: its seconds, CPU seconds and peak RSS growth."""
+    keep_stream_buffers_in_heap()  # as a site job does (crossfed site run)
     client = CoordinatorClient(
         args["url"], args["token"], part_bytes=args["part_bytes"], retry_budget_s=120
     )

@@ -55,7 +55,9 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
 
     from crossfed.coordinator.app import Tokens, create_app
     from crossfed.coordinator.service import Coordinator
+    from crossfed.transport import keep_stream_buffers_in_heap
 
+    keep_stream_buffers_in_heap()
     coordinator = Coordinator(Path(args.state_dir))
     app = create_app(coordinator, Tokens.load(Path(args.secrets)), max_request_s=args.max_request_s)
     ssl = {}
@@ -140,7 +142,9 @@ def cmd_site_run(args: argparse.Namespace) -> int:
         relaunch_under_torchrun,
         under_torchrun,
     )
+    from crossfed.transport import keep_stream_buffers_in_heap
 
+    keep_stream_buffers_in_heap()
     config = _config(args)
     sites = load_sites(config)
     if args.site not in sites:

@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -179,6 +181,30 @@ def test_a_blob_uploaded_in_parts_is_verified_and_renamed_into_place(tmp_path: P
 
     state = asyncio.run(store.write_part(key, again(), max_bytes=1 << 20))
     assert state["complete"] is True and consumed == [5000, 5000]
+
+
+HEAP_PROBE = """
+import sys
+from crossfed.transport import keep_stream_buffers_in_heap
+if sys.argv[1] == "tuned":
+    assert keep_stream_buffers_in_heap()
+buffer = bytes(16 << 20)  # a received batch's size
+heap = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+lo, hi = (int(x, 16) for x in heap[0].split("-")) if heap else (0, 0)
+print(lo <= id(buffer) < hi)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_transfer_buffers_come_from_the_heap_once_tuned() -> None:
+    def in_heap(mode: str) -> bool:
+        out = subprocess.run(
+            [sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip() == "True"
+
+    assert not in_heap("default")  # glibc mmaps a fresh 16 MiB buffer (faulted in anew)
+    assert in_heap("tuned")
 
 
 def test_a_store_whose_folders_were_deleted_under_it_recreates_them(tmp_path: Path) -> None:
