@@ -268,6 +268,26 @@ def test_a_slow_part_is_cut_at_its_deadline_and_resumes_where_it_stopped(tmp_pat
     assert store.path(key).read_bytes() == data
 
 
+def test_a_part_past_its_deadline_before_its_first_bytes_still_keeps_one_chunk(
+    tmp_path: Path,
+) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(8_000)
+    key = blake(data)
+    part = store.write_part(
+        key,
+        body(data, piece=1000, delay=0.05),  # each piece comes after the bound has passed
+        offset=0,
+        total=len(data),
+        max_bytes=1 << 20,
+        deadline=time.monotonic() + 0.01,
+    )
+    with pytest.raises(BlobError) as caught:
+        asyncio.run(part)
+    assert caught.value.status == 408
+    assert 1000 <= caught.value.extra["offset"] < len(data)  # progress, however short the bound
+
+
 def test_an_upload_resumes_across_a_restart_of_the_store(tmp_path: Path) -> None:
     data = os.urandom(50_000)
     key = blake(data)

@@ -132,8 +132,9 @@ class BlobStore:
         """Append a body at ``offset`` of the upload of ``key``; finish it at ``total`` bytes.
 
         ``total=None`` means this body is the rest of the blob. ``deadline`` (a
-        ``time.monotonic()`` value) cuts the part short: what arrived is kept and a 408
-        says where to resume. Returns :meth:`upload_state` after the part.
+        ``time.monotonic()`` value) cuts the part short once its first bytes arrived: what
+        arrived is kept and a 408 says where to resume. Returns :meth:`upload_state` after
+        the part.
         """
         key = check_key(key)
         if total is not None and not 0 <= total <= max_bytes:
@@ -204,10 +205,14 @@ class BlobStore:
 
         try:
             try:
-                async with asyncio.timeout_at(_loop_time(loop, deadline)):
+                # the clock starts with the first bytes: a part always keeps at least one
+                # chunk, so a bound shorter than one chunk's transfer still makes progress
+                async with asyncio.timeout(None) as bound:
                     async for chunk in chunks:
                         if not chunk:
                             continue
+                        if bound.when() is None and deadline is not None:
+                            bound.reschedule(_loop_time(loop, deadline))
                         received += len(chunk)
                         if received > limit:
                             if total is None:
