@@ -22,13 +22,14 @@ from crossfed.train.inner import (
     LeaseWindows,
     PhaseState,
     Trainer,
+    language_model_loss,
     make_optimizer,
     plan_step,
     plan_steps,
     rank_shares,
     run_inner_phase,
 )
-from crossfed.train.model import build_model, parameters_of
+from crossfed.train.model import attention_masks, build_model, model_config, parameters_of
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.standalone import RecordingReader
 from crossfed.train.windows import WindowStore
@@ -86,6 +87,24 @@ def test_a_simulated_step_floor_holds_every_step_to_min_step_s(tiny_data: Path) 
     assert state.compute_s >= 3 * 0.3
     with pytest.raises(InnerConfigError, match="min_step_s"):
         InnerConfig(min_step_s=-1.0)
+
+
+def test_a_flex_attention_model_gets_causal_masks_and_matches_sdpa() -> None:
+    """GPU models use flex attention, which needs a BlockMask: each window is one causal
+    document, so its loss equals the SDPA model's with the same weights (flex runs its
+    forward on CPU too)."""
+    sdpa = _model(64, seed=3)
+    with torch.device("cpu"):
+        flex = model_config("tiny", vocab_size=64, device="cuda").build()
+    flex.load_state_dict(sdpa.state_dict())
+    assert attention_masks(sdpa, 2, 16, "cpu") is None
+    masks = attention_masks(flex, 2, 16, "cpu")
+    assert masks is not None and attention_masks(flex, 2, 16, "cpu") is masks  # built once
+    windows = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = language_model_loss(sdpa, windows)
+        got = language_model_loss(flex, windows)
+    assert torch.allclose(got, expected, atol=1e-4), (got, expected)
 
 
 def test_lease_positions_map_to_dataset_windows_in_lease_order() -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from crossfed.train.model import attention_masks
 from crossfed.train.schedule import LRSchedule
 
 
@@ -229,7 +230,8 @@ def make_optimizer(model: torch.nn.Module, config: InnerConfig, lr: float) -> to
 def language_model_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over windows of ``seq_len + 1`` tokens."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
-    logits = model(inputs)
+    masks = attention_masks(model, inputs.shape[0], inputs.shape[1], inputs.device)
+    logits = model(inputs) if masks is None else model(inputs, attention_masks=masks)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 

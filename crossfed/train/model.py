@@ -9,6 +9,7 @@ sets the embedding size. FlexAttention has no backward on CPU, so CPU models use
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -107,6 +108,22 @@ def build_model(
         model.init_states(buffer_device=torch.device(device))
     torch.random.set_rng_state(generator_state)
     return model
+
+
+def attention_masks(model: torch.nn.Module, batch: int, seq_len: int, device: Any) -> Any:
+    """What a masked attention backend (flex on GPU) needs for ``batch`` windows of
+    ``seq_len`` tokens, each window one causal document; None for SDPA (causal built in).
+    Built once per shape and kept on the model."""
+    config = getattr(model, "config", None)
+    inner = getattr(getattr(config, "first_attention", None), "inner_attention", None)
+    if inner is None or isinstance(inner, ScaledDotProductAttention.Config):
+        return None
+    cache = model.__dict__.setdefault("_crossfed_attention_masks", {})
+    key = (batch, seq_len, str(device))
+    if key not in cache:
+        positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
+        cache[key] = model.get_attention_masks(positions)
+    return cache[key]
 
 
 def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
