@@ -53,7 +53,7 @@ from crossfed.train.distributed import (
     mfu,
     parallelize,
     rank_device,
-    sum_float,
+    sum_over_ranks,
     uses_autocast,
 )
 from crossfed.train.inner import (
@@ -602,7 +602,7 @@ class SiteRunner:
             rank=self.ranks.rank,
             world=self.ranks.world,
             autocast=uses_autocast(self.device, self.ranks),
-            reduce_loss=lambda value: sum_float(value, self.ranks, self.device),
+            reduce_loss=lambda loss: sum_over_ranks(loss, self.ranks),
         )
 
         done = [state.windows]

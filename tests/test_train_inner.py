@@ -142,6 +142,48 @@ def test_simulated_ranks_train_the_same_steps_as_one_big_batch(tiny_data: Path) 
     assert sorted(r1.seen) == sorted(r2.seen) == lease.indices(0, 16)
 
 
+class LossReads(torch.Tensor):
+    """Logits, and every loss computed from them, that record each read of their value to
+    the host (on an accelerator, a device sync)."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("item", "tolist", "__float__", "numpy"):
+            cls.reads.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_phase_reads_step_losses_once_at_its_end_not_every_step(tiny_data: Path) -> None:
+    """On an accelerator a read of the loss makes the host wait for the device; the phase
+    queues every step without one and reads all losses together when it ends."""
+    store = WindowStore.open(tiny_data, "train")
+    lease = LeaseWindows.of([(0, 20)])  # 5 steps of 4
+    config = InnerConfig(micro_batch=2, ranks=1, accumulation=2)
+    _, _, plain, _ = _phase(store, lease, config)
+    LossReads.reads = []
+    reads_at_step: list[int] = []
+    torch.manual_seed(0)
+    model = _model(store.vocab_size)
+    model.register_forward_hook(lambda _m, _in, logits: logits.as_subclass(LossReads))
+    trainer = Trainer(model, make_optimizer(model, config, lr=0.0), config)
+    infos = []
+
+    def on_step(info) -> None:
+        reads_at_step.append(len(LossReads.reads))
+        infos.append(info)
+
+    state = run_inner_phase(
+        trainer, store.windows, lease, schedule=SCHEDULE, global_step=0, on_step=on_step
+    )
+    assert reads_at_step == [0] * 5  # no step waited for a loss
+    assert LossReads.reads == ["tolist"]  # one read for all five, at the end
+    assert state.losses == pytest.approx(plain.losses, rel=1e-6)
+    assert [info.loss for info in infos] == pytest.approx(state.losses, rel=1e-6)  # on demand
+
+
 def test_a_steal_stops_the_phase_exactly_at_the_new_limit(tiny_data: Path) -> None:
     store = WindowStore.open(tiny_data, "train")
     lease = LeaseWindows.of([(0, 24)])

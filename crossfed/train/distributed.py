@@ -116,13 +116,13 @@ def broadcast_int(value: int, ranks: Ranks, device: str) -> int:
     return int(t.item())
 
 
-def sum_float(value: float, ranks: Ranks, device: str) -> float:
-    """Sum of ``value`` over ranks."""
+def sum_over_ranks(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """Sum of ``value`` over ranks, queued on the value's device without waiting for it."""
     if not ranks.distributed:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
+    total = value.clone()
+    dist.all_reduce(total)
+    return total
 
 
 def barrier(ranks: Ranks) -> None:

@@ -148,15 +148,24 @@ def plan_steps(total: int, config: InnerConfig, start: int = 0) -> Iterator[Step
 # ---------------------------------------------------------------------- training
 @dataclass
 class StepInfo:
-    """What a step reports to the site loop (console, heartbeat, metrics)."""
+    """What a step reports to the site loop (console, heartbeat, metrics).
+
+    ``step_loss`` may still be computing on an accelerator: the phase does not wait for it,
+    so the host queues the next step while this one runs. Reading ``loss`` waits for it.
+    """
 
     step: int
     global_step: int
     windows_done: int
-    loss: float
+    step_loss: torch.Tensor | float
     lr: float
     step_s: float
     tokens: int
+
+    @property
+    def loss(self) -> float:
+        """The step's mean loss over all ranks (waits for the step to finish)."""
+        return float(self.step_loss)
 
 
 @dataclass
@@ -249,7 +258,8 @@ class Trainer:
 
     ``rank``/``world`` are the real process ranks: ``world == 1`` simulates every one of
     ``config.ranks``; ``world == config.ranks`` trains rank ``rank``'s share only.
-    ``reduce_loss`` sums a float over real ranks (identity in one process).
+    ``reduce_loss`` sums a loss tensor over real ranks (identity in one process); it must not
+    wait for the device, so the host can queue the next step while this one runs.
     """
 
     model: torch.nn.Module
@@ -259,7 +269,7 @@ class Trainer:
     rank: int = 0
     world: int = 1
     autocast: bool = False
-    reduce_loss: Callable[[float], float] = float
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
 
     def __post_init__(self) -> None:
         if self.world not in (1, self.config.ranks):
@@ -286,15 +296,17 @@ class Trainer:
         fetch: Callable[[int, int], np.ndarray],
         lr: float,
         window_len: Callable[[], int] | None = None,
-    ) -> float:
-        """One optimiser step over ``plan``; returns the step's mean loss (over all ranks).
+    ) -> torch.Tensor:
+        """One optimiser step over ``plan``; returns the step's mean loss over all ranks.
 
-        Padding passes train a window of zeros with weight 0 (``window_len()`` tokens long).
+        The loss comes back as a device tensor without waiting for the device (reading it is
+        the caller's sync point). Padding passes train a window of zeros with weight 0
+        (``window_len()`` tokens long).
         """
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro = self._micro_batches(plan)
-        local = 0.0
+        local: torch.Tensor | None = None
         for i, span in enumerate(micro):
             if span is None:  # padding: same collectives, no contribution
                 length = window_len() if window_len else fetch(plan.start, plan.start + 1).shape[1]
@@ -307,10 +319,12 @@ class Trainer:
             with self._autocast():
                 loss = language_model_loss(self.model, batch) * weight
             loss.backward()
-            local += float(loss.detach())
+            loss = loss.detach().float()
+            local = loss if local is None else local + loss
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        assert local is not None  # a plan has at least one micro-batch
         return self.reduce_loss(local)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -355,6 +369,19 @@ def run_inner_phase(
         return read_positions(read, lease, position, position + 1).shape[1]
 
     slowdown, min_step_s = trainer.config.slowdown, trainer.config.min_step_s
+    queued: list[torch.Tensor] = []  # step losses the device may still be computing
+
+    def settle() -> None:
+        """Wait for the queued steps and keep their losses (one sync for all of them)."""
+        if queued:
+            state.losses.extend(torch.stack(queued).tolist())
+            queued.clear()
+
+    # Step time runs from one step's return to the next, so waiting for the device (a
+    # settle, a logged loss) counts as compute wherever it happens, and the host never waits
+    # for a step before queueing the next: on an accelerator the host runs at most the
+    # launch queue ahead, so launch-to-launch time is the device's step time.
+    mark = time.perf_counter()
     for plan in plan_steps(total, trainer.config, start=state.windows):
         limit = window_limit() if window_limit else total
         if plan.start + plan.n > limit:
@@ -362,22 +389,22 @@ def run_inner_phase(
             if limit <= plan.start:
                 break
             plan = plan_step(plan.start, limit - plan.start, trainer.config)
-        t0 = time.perf_counter()
         lr = schedule.lr_at(global_step + state.steps)
         first = plan.start
         loss = trainer.step(plan, fetch, lr, lambda: window_len[0] or len_of(first))  # noqa: B023
-        step_s = time.perf_counter() - t0
+        step_s = time.perf_counter() - mark
         if slowdown > 1.0:
             time.sleep(step_s * (slowdown - 1.0))
             step_s *= slowdown
         if step_s < min_step_s:
             time.sleep(min_step_s - step_s)
             step_s = min_step_s
+        mark = time.perf_counter()
         state.steps += 1
         state.windows += plan.n
         state.compute_s += step_s
         state.tokens += plan.n * (window_len[0] - 1)
-        state.losses.append(loss)
+        queued.append(loss)
         if on_step:
             on_step(
                 StepInfo(
@@ -390,13 +417,20 @@ def run_inner_phase(
                     state.tokens,
                 )
             )
+        if len(queued) >= 256:
+            settle()
         if checkpoint and checkpoint_every and state.steps % checkpoint_every == 0:
             if state.windows < total and not state.stopped_early:
+                settle()
+                state.compute_s += time.perf_counter() - mark
                 t1 = time.perf_counter()
                 checkpoint(state)
-                state.checkpoint_s += time.perf_counter() - t1
+                mark = time.perf_counter()
+                state.checkpoint_s += mark - t1
         if state.stopped_early:
             break
+    settle()
+    state.compute_s += time.perf_counter() - mark
     return state
 
 

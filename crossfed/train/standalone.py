@@ -28,7 +28,7 @@ from crossfed.train.distributed import (
     init_ranks,
     parallelize,
     rank_device,
-    sum_float,
+    sum_over_ranks,
     uses_autocast,
 )
 from crossfed.train.inner import (
@@ -82,7 +82,7 @@ def train_ranges(
         rank=ranks.rank,
         world=ranks.world,
         autocast=uses_autocast(device, ranks),
-        reduce_loss=lambda v: sum_float(v, ranks, device),
+        reduce_loss=lambda loss: sum_over_ranks(loss, ranks),
     )
     reader = RecordingReader(store.windows)
     state = run_inner_phase(
