@@ -611,6 +611,82 @@ def test_http_refusals_name_the_problem(server: Server, tmp_path: Path) -> None:
         )
 
 
+def _raw_exchange(port: int, head: bytes, body: bytes) -> tuple[bytes, float]:
+    """Send a request head and part of its body on a raw socket, then read until the server
+    answers and closes; (everything read, seconds it took)."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(30)
+        t0 = time.monotonic()
+        sock.sendall(head + body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+        return reply, time.monotonic() - t0
+
+
+def test_a_json_request_whose_body_stalls_is_answered_408_within_the_bound(
+    tmp_path: Path,
+) -> None:
+    with Server(tmp_path / "state", max_request_s=0.5) as live:
+        head = (
+            b"POST /v1/sites/lumi/register HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer lumi-token\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n"
+        )
+        reply, took = _raw_exchange(live.port, head, b'{"digest": ')  # 11 of 100 bytes
+        status, _, payload = reply.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert json.loads(payload)["error"] == "request_timeout"
+        assert took < 10  # not held until the client gives up
+        # the blob routes keep their own bound (408 with the offset reached), not this one
+        key = blake(b"0123456789")
+        blob_head = (
+            f"PUT /v1/blobs/{key}?offset=0&total=10 HTTP/1.1\r\nHost: x\r\n"
+            "Authorization: Bearer lumi-token\r\nContent-Length: 10\r\n\r\n"
+        ).encode()
+        reply, _ = _raw_exchange(live.port, blob_head, b"01234")
+        status, _, payload = reply.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert json.loads(payload)["offset"] == 5
+        # a body that arrives in time is answered as usual, and the server carries on
+        response = live.client().http.post("/v1/sites/lumi/register", json={"digest": "x"})
+        assert response.status_code not in (408, 500), response.text
+        assert live.client().health()["ok"]
+
+
+def test_the_client_resends_a_json_request_answered_408(tmp_path: Path) -> None:
+    """A proxy in front of the coordinator answers 408 when a body comes too slowly; the
+    request never reached the coordinator, so the client sends it again. (The proxy here is
+    a stand-in: a stdlib HTTP server that answers 408 once, then 200.)"""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies: list[bytes] = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's naming)
+            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+            status, reply = (408, b"{}") if len(bodies) == 1 else (200, b'{"ok": true}')
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        client = CoordinatorClient(
+            f"http://127.0.0.1:{proxy.server_address[1]}", "t", retry_budget_s=10.0
+        )
+        client.sleep = lambda _s: None
+        assert client.post("/v1/leases/1/heartbeat", {"consumed": 2}) == {"ok": True}
+        assert len(bodies) == 2 and json.loads(bodies[0]) == json.loads(bodies[1])
+    finally:
+        proxy.shutdown()
+
+
 def test_the_configured_request_bound_reaches_a_real_coordinator_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

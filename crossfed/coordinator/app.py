@@ -25,7 +25,14 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.routing import Route
 
 from crossfed.coordinator.blobs import BlobError, check_key
-from crossfed.coordinator.guards import AuthGate, BodyLimit, StatusCounter, StatusStats
+from crossfed.coordinator.guards import (
+    AuthGate,
+    BodyDeadline,
+    BodyLimit,
+    RequestTimeout,
+    StatusCounter,
+    StatusStats,
+)
 from crossfed.coordinator.ranged import RangedFile
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
 from crossfed.coordinator.service import Coordinator, CoordinatorError
@@ -130,7 +137,8 @@ def create_app(
     included; the Swagger/ReDoc pages are off (they load scripts from a CDN). Bodies over
     ``max_json_bytes`` (blob routes: ``max_blob_bytes``) are refused with 413 before reading.
     Weight transfers stop after ``max_request_s`` (an upload answers 408 with the offset to
-    resume at, a download is cut short); clients move weights in parts well below that.
+    resume at, a download is cut short); clients move weights in parts well below that. A
+    JSON request whose body is not in by then is answered 408 (``BodyDeadline``).
     """
     stop = threading.Event()
 
@@ -165,6 +173,7 @@ def create_app(
         openapi_url="/openapi.json",
     )
     stats = StatusStats()
+    app.add_middleware(BodyDeadline, max_request_s=max_request_s)
     app.add_middleware(BodyLimit, max_json_bytes=max_json_bytes, max_blob_bytes=max_blob_bytes)
     app.add_middleware(AuthGate, identify=tokens.identify)
     app.add_middleware(StatusCounter, stats=stats)  # outermost: counts the guards' refusals too
@@ -174,6 +183,12 @@ def create_app(
     async def _coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:
         return JSONResponse(
             status_code=exc.status, content={"error": exc.code, "detail": exc.message}
+        )
+
+    @app.exception_handler(RequestTimeout)
+    async def _request_timeout(_: Request, exc: RequestTimeout) -> JSONResponse:
+        return JSONResponse(
+            status_code=408, content={"error": "request_timeout", "detail": exc.detail}
         )
 
     @app.exception_handler(BlobError)

@@ -52,6 +52,8 @@ def read_responses_in_large_pieces(size: int = RESPONSE_READ_BYTES) -> None:
 read_responses_in_large_pieces()
 
 RETRY_STATUS = {502, 503, 504}
+#: a JSON request answered 408 (its body came too slowly) never reached its handler: resend it
+JSON_RETRY_STATUS = RETRY_STATUS | {408}
 #: refusals of one part that a resync (asking the coordinator where to resume) fixes
 RESYNC_STATUS = {408, 409}
 #: an inline delta refused for these goes as a blob instead
@@ -102,7 +104,9 @@ class CoordinatorClient:
     def close(self) -> None:
         self.http.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, retry_status: set[int] = RETRY_STATUS, **kwargs: Any
+    ) -> httpx.Response:
         deadline = time.monotonic() + self.retry_budget_s
         delay = 0.2
         factory = kwargs.pop("content_factory", None)
@@ -116,7 +120,7 @@ class CoordinatorClient:
             else:
                 if response.status_code < 400:
                     return response
-                if response.status_code not in RETRY_STATUS:
+                if response.status_code not in retry_status:
                     raise _refusal(response)
                 error = _refusal(response)
             if time.monotonic() + delay > deadline:
@@ -125,10 +129,12 @@ class CoordinatorClient:
             delay = min(delay * 2, 5.0)
 
     def get(self, path: str, **kwargs: Any) -> Any:
-        return self._request("GET", path, **kwargs).json()
+        return self._request("GET", path, retry_status=JSON_RETRY_STATUS, **kwargs).json()
 
     def post(self, path: str, body: Any = None, **kwargs: Any) -> Any:
-        return self._request("POST", path, json=body, **kwargs).json()
+        return self._request(
+            "POST", path, json=body, retry_status=JSON_RETRY_STATUS, **kwargs
+        ).json()
 
     # --- protocol
     def health(self) -> dict[str, Any]:

@@ -2,11 +2,13 @@
 
 Plain ASGI middleware: a refusal happens before a body is read, so an unauthenticated or
 oversized upload costs the server nothing.
-Order, outermost first: ``StatusCounter`` -> ``AuthGate`` -> ``BodyLimit`` -> routes.
+Order, outermost first: ``StatusCounter`` -> ``AuthGate`` -> ``BodyLimit`` -> ``BodyDeadline``
+-> routes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -16,6 +18,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.requests import ClientDisconnect
 
@@ -172,3 +175,43 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         blob = scope["type"] == "http" and BLOB_ROUTE.match(scope.get("path", ""))
         await (self.blob if blob else self.json)(scope, receive, send)
+
+
+class RequestTimeout(HTTPException):
+    """A request body that did not arrive within the request bound (answered 408)."""
+
+    def __init__(self, bound_s: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {bound_s:g} s")
+
+
+class BodyDeadline:
+    """408 for a JSON request whose body is not all in ``max_request_s`` after it began.
+
+    A stalled or trickling client cannot hold a connection and a server task open past the
+    bound. Only the body's arrival is timed (the answer may wait for the coordinator's lock);
+    the blob routes keep their own bound, which answers with the offset reached.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_request_s: float) -> None:
+        self.app, self.max_request_s = app, max_request_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or BLOB_ROUTE.match(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.max_request_s
+        body_done = False
+
+        async def bounded_receive() -> Message:
+            nonlocal body_done
+            if body_done:  # e.g. waiting for a disconnect while answering: not the body
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeout(self.max_request_s) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
+        await self.app(scope, bounded_receive, send)
