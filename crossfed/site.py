@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
+from crossfed.site_lock import hold_site_folder
 from crossfed.train import checkpoint
 from crossfed.train.distributed import (
     DistributedError,
@@ -231,6 +232,8 @@ class SiteRunner:
         self.dir = settings.work_dir / settings.site
         self.state_dir = self.dir / "state"
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.ranks.main:  # a second job of this site waits for this one to end
+            hold_site_folder(self.dir)
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.flops_per_token: float | None = None

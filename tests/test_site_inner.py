@@ -75,6 +75,13 @@ def test_a_site_round_trains_its_lease_and_commits_it(
     assert cursor is not None and cursor["status"] == "done" and cursor["windows"] == 32
     row = ledger_row(coordinator, "lumi")
     assert row["blocks_committed"] == 4 and row["blocks_lost"] == 0
+    other_job = subprocess.run(  # another job of lumi may not use the folder meanwhile
+        [sys.executable, "-c", "import sys; from pathlib import Path; from crossfed.site_lock "
+         "import hold_site_folder; hold_site_folder(Path(sys.argv[1]), wait_s=0)",
+         str(runner.dir)],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert other_job.returncode != 0 and "SiteBusy" in other_job.stderr, other_job.stderr
 
 
 def _site_job(tmp_path: Path, config: Path, name: str) -> subprocess.Popen:
