@@ -267,19 +267,24 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file
 
     from crossfed.coordinator.embedded import client_for
+    from crossfed.train.distributed import DistributedError, resolve_device
     from crossfed.train.inner import evaluate
     from crossfed.train.model import build_model, load_parameters
     from crossfed.train.windows import WindowStore
 
     config = _config(args)
+    try:
+        device = resolve_device(config["eval"].get("device", "auto"), "eval.device")
+    except DistributedError as exc:
+        raise ConfigError(str(exc)) from exc
     torch.set_num_threads(args.threads)
     client = client_for(config, "admin")
     t0 = time.perf_counter()
     path = client.download_model(args.generation, Path(args.model_out))
     download_s = time.perf_counter() - t0
     val = WindowStore.open(Path(config["data"]["dir"]), "val")
-    model = build_model(config["model"]["flavour"], vocab_size=val.vocab_size)
-    load_parameters(model, load_file(str(path)))
+    model = build_model(config["model"]["flavour"], vocab_size=val.vocab_size, device=device)
+    load_parameters(model, load_file(str(path), device=device))
     t1 = time.perf_counter()
     loss, ppl = evaluate(
         model,
@@ -287,9 +292,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         val.n_windows,
         batch=config["eval"]["batch"],
         max_windows=config["eval"]["max_windows"],
+        device=device,
     )
     eval_s = time.perf_counter() - t1
-    print(f"generation {args.generation}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
+    print(
+        f"generation {args.generation}: held-out loss {loss:.4f}, perplexity {ppl:.2f} "
+        f"({device}, {eval_s:.1f}s)"
+    )
     _write_json(
         args.out,
         {
@@ -298,6 +307,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
             "val_perplexity": ppl,
             "eval_s": eval_s,
             "download_s": download_s,
+            "device": device,
         },
     )
     return 0

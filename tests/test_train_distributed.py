@@ -82,3 +82,32 @@ def test_torchrun_command_for_one_node_and_for_several() -> None:
     assert "--rdzv-endpoint=nid001:29500" in many and "--nnodes=2" in many
     with pytest.raises(DistributedError, match="rendezvous"):
         torchrun_argv(8, ["site", "run"], nnodes=2)
+
+
+def test_the_evaluation_device_resolves_or_fails_naming_the_setting(tmp_path: Path) -> None:
+    import yaml
+
+    from crossfed.train.distributed import resolve_device
+
+    gpu = torch.cuda.is_available()
+    assert resolve_device("auto", "eval.device") == ("cuda" if gpu else "cpu")
+    assert resolve_device("cpu", "eval.device") == "cpu"
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+
+    def checkpoint_with(device: str) -> subprocess.CompletedProcess:
+        config["eval"]["device"] = device
+        path = tmp_path / f"config-{device}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cmd = [sys.executable, "-m", "crossfed", "checkpoint", "--config", str(path)]
+        cmd += ["--generation", "0", "--model-out", str(tmp_path / "g0.safetensors")]
+        cmd += ["--out", str(tmp_path / "eval.json")]
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    bad = checkpoint_with("tpu9")
+    assert bad.returncode == 2 and "eval/device" in bad.stderr and "tpu9" in bad.stderr
+    if not gpu:
+        with pytest.raises(DistributedError, match="eval.device is 'cuda'"):
+            resolve_device("cuda", "eval.device")
+        missing = checkpoint_with("cuda")
+        assert missing.returncode == 2, missing.stderr
+        assert "eval.device is 'cuda' but torch sees no GPU" in missing.stderr

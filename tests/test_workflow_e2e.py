@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from crossfed.darl.ledger import COMMITTED_TABLE
@@ -172,6 +173,7 @@ def test_three_sites_train_through_a_killed_site_job_and_a_killed_workflow(
         assert key in final
     initial = json.loads((results / "rounds" / "0" / "eval.json").read_text())
     assert 1.0 < final["val_perplexity"] < initial["val_perplexity"]
+    assert initial["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # eval: auto
     ledger = check_ledger(cwd)
     lumi = ledger[ledger["site"] == "lumi"].iloc[0]
     assert lumi["ttl_expiries"] >= 1 and lumi["blocks_lost"] >= 1  # the kill cost one lease

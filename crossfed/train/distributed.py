@@ -91,6 +91,16 @@ def close_ranks(ranks: Ranks) -> None:
         dist.destroy_process_group()
 
 
+def resolve_device(device: str, what: str) -> str:
+    """``auto`` is ``cuda`` when torch sees a GPU (ROCm builds too), else ``cpu``; asking for
+    ``cuda`` where there is none is an error that names the setting."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DistributedError(f"{what} is {device!r} but torch sees no GPU here")
+    return device
+
+
 def rank_device(device: str, ranks: Ranks) -> str:
     """``cuda`` becomes ``cuda:<local rank>``; other devices are taken as given."""
     if device == "cuda":
