@@ -612,16 +612,23 @@ def test_http_refusals_name_the_problem(server: Server, tmp_path: Path) -> None:
 
 
 def _raw_exchange(port: int, head: bytes, body: bytes) -> tuple[bytes, float]:
-    """Send a request head and part of its body on a raw socket, then read until the server
-    answers and closes; (everything read, seconds it took)."""
+    """Send a request head and part of its body on a raw socket, then read the whole answer
+    (head and Content-Length body); (everything read, seconds it took)."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(30)
         t0 = time.monotonic()
         sock.sendall(head + body)
         reply = b""
-        while chunk := sock.recv(65536):
+        while True:
+            top, sep, rest = reply.partition(b"\r\n\r\n")
+            if sep:
+                length = [line for line in top.lower().split(b"\r\n") if b"content-length" in line]
+                if length and len(rest) >= int(length[0].split(b":")[1]):
+                    return reply, time.monotonic() - t0
+            chunk = sock.recv(65536)
+            if not chunk:
+                return reply, time.monotonic() - t0
             reply += chunk
-        return reply, time.monotonic() - t0
 
 
 def test_a_json_request_whose_body_stalls_is_answered_408_within_the_bound(
