@@ -58,7 +58,10 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     from crossfed.transport import keep_stream_buffers_in_heap
 
     keep_stream_buffers_in_heap()
-    coordinator = Coordinator(Path(args.state_dir))
+    every = args.ledger_checkpoint_every
+    coordinator = Coordinator(
+        Path(args.state_dir), **({} if every is None else {"ledger_checkpoint_every": every})
+    )
     app = create_app(coordinator, Tokens.load(Path(args.secrets)), max_request_s=args.max_request_s)
     ssl = {}
     if args.ssl_certfile:
@@ -448,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=120.0,
         help="cut a weight transfer after this long; the client resumes it (default: 120)",
+    )
+    serve.add_argument(
+        "--ledger-checkpoint-every",
+        type=int,
+        help="checkpoint the DARL lease book every N ledger events, so a restart replays "
+        "only the events since (default: 10000; 0: never)",
     )
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
     serve.add_argument("--ssl-keyfile")

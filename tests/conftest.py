@@ -85,8 +85,20 @@ class LiveCoordinator:
         self.process = start_process(self.state_dir, self.port)
 
 
+#: test coordinators checkpoint their DARL lease book this often (production: 10,000 events),
+#: so every kill-and-restart test also replays from a checkpoint plus the events after it
+LEDGER_CHECKPOINT_EVERY = 5
+
+
 def start_process(state_dir: Path, port: int) -> subprocess.Popen:
-    return spawn_coordinator(state_dir, state_dir / "secrets.yaml", "127.0.0.1", port, 240)
+    return spawn_coordinator(
+        state_dir,
+        state_dir / "secrets.yaml",
+        "127.0.0.1",
+        port,
+        240,
+        ledger_checkpoint_every=LEDGER_CHECKPOINT_EVERY,
+    )
 
 
 class SpareCoordinators:
@@ -108,7 +120,13 @@ class SpareCoordinators:
         state_dir.mkdir()
         secrets = ensure_secrets(state_dir / "secrets.yaml", SITES)
         port = free_port("127.0.0.1")
-        proc = launch_coordinator(state_dir, state_dir / "secrets.yaml", "127.0.0.1", port)
+        proc = launch_coordinator(
+            state_dir,
+            state_dir / "secrets.yaml",
+            "127.0.0.1",
+            port,
+            ledger_checkpoint_every=LEDGER_CHECKPOINT_EVERY,
+        )
         return LiveCoordinator(f"http://127.0.0.1:{port}", state_dir, secrets, proc, port)
 
     def take(self) -> LiveCoordinator:

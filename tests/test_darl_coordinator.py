@@ -248,6 +248,10 @@ def test_sigkilled_coordinator_loses_nothing_and_renews_active_leases(
     assert commit(darl, "lumi", done, delta_file(tmp_path, g0, name="a"))["accepted"]
     before = state(darl)
     darl.kill()
+    with sqlite3.connect(darl.state_dir / "state.sqlite") as db:  # the restart restores it
+        (checkpoint,) = db.execute("SELECT seq FROM darl_checkpoints").fetchone()
+        (last,) = db.execute("SELECT MAX(seq) FROM darl_events").fetchone()
+    assert 0 < checkpoint <= last, (checkpoint, last)
     time.sleep(3.0)  # longer than the running lease's TTL
     started = time.time()
     darl.restart()

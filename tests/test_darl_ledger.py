@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import LeaseBook, LeaseError
 from crossfed.darl.ledger import (
+    CHECKPOINT_TABLE,
     TABLE3_COLUMNS,
     DuplicateCommitError,
     LedgerError,
@@ -62,6 +63,80 @@ def test_replay_rebuilds_the_same_book(tmp_path):
     fresh = LeaseBook(50)
     assert LedgerStore(conn).replay(fresh) == 9
     assert fresh.snapshot() == book.snapshot()
+
+
+def _nine_events(ledger: LedgerStore, book: LeaseBook, checkpoint_after: int) -> None:
+    """The nine commands of the replay test above, with a checkpoint after the first few."""
+    steps = [
+        ("register", dict(site="a", now=0.0)),
+        ("register", dict(site="b", now=0.5)),
+        ("grant", dict(site="a", n_blocks=30, now=1.0, ttl_s=TTL, round_no=0)),
+        ("grant", dict(site="b", n_blocks=30, now=1.0, ttl_s=TTL, round_no=0)),
+        ("heartbeat", dict(lease_id=1, site="a", consumed=4, now=2.0)),
+        ("commit", dict(lease_id=2, site="b", consumed=20, now=3.0)),
+        ("steal", dict(site="b", now=3.5, ttl_s=TTL, round_no=1)),
+        ("heartbeat", dict(lease_id=1, site="a", consumed=5, now=4, ttl_s=2.5)),
+        ("expire", dict(now=30.0)),
+    ]
+    for i, (op, args) in enumerate(steps, start=1):
+        run(book, ledger, op, **args)
+        if i == checkpoint_after:
+            assert ledger.checkpoint(book) == i
+
+
+def test_replay_starts_from_the_newest_checkpoint(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    conn = sqlite3.connect(path)
+    ledger, book = LedgerStore(conn), LeaseBook(50)
+    _nine_events(ledger, book, checkpoint_after=6)
+    conn.commit()
+    fresh = LeaseBook(50)
+    assert LedgerStore(sqlite3.connect(path)).replay(fresh) == 3  # only the events after it
+    assert fresh.snapshot() == book.snapshot()
+    for either in (fresh, book):  # the restored book works on like the live one
+        either.register("c", 31.0)
+        either.grant("c", 5, 31.0, TTL, 2)
+    assert fresh.snapshot() == book.snapshot()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "format", "n_blocks"])
+def test_a_bad_checkpoint_falls_back_to_replaying_every_event(tmp_path, damage, caplog):
+    path = tmp_path / "ledger.sqlite"
+    conn = sqlite3.connect(path)
+    ledger, book = LedgerStore(conn), LeaseBook(50)
+    _nine_events(ledger, book, checkpoint_after=6)
+    if damage == "garbage":
+        conn.execute(f"UPDATE {CHECKPOINT_TABLE} SET state = ?", (b"not a checkpoint",))
+    elif damage == "format":
+        conn.execute(f"UPDATE {CHECKPOINT_TABLE} SET format = 'leasebook-pickle-0'")
+    conn.commit()
+    size = 60 if damage == "n_blocks" else 50  # a book of another size: not this one's state
+    fresh = LeaseBook(size)
+    with caplog.at_level("WARNING", logger="crossfed.darl"):
+        assert LedgerStore(sqlite3.connect(path)).replay(fresh) == 9
+    assert "checkpoint at event 6 ignored" in caplog.text
+    if damage != "n_blocks":
+        assert fresh.snapshot() == book.snapshot()
+
+
+def test_maybe_checkpoint_keeps_only_the_newest_every_n_events():
+    conn = sqlite3.connect(":memory:")
+    ledger, book = LedgerStore(conn), LeaseBook(20)
+    written = []
+    for i in range(7):
+        run(book, ledger, "register", site=f"s{i}", now=float(i))
+        written.append(ledger.maybe_checkpoint(book, every=3))
+    assert written == [False, False, True, False, False, True, False]
+    assert conn.execute(f"SELECT seq FROM {CHECKPOINT_TABLE}").fetchall() == [(6,)]
+    # a store opened later counts the events since the stored checkpoint
+    later = LedgerStore(conn)
+    run(book, later, "register", site="s7", now=7.0)  # event 8: two since the one at 6
+    assert not later.maybe_checkpoint(book, every=3)
+    run(book, later, "register", site="s8", now=8.0)  # event 9: three
+    assert later.maybe_checkpoint(book, every=3)
+    assert conn.execute(f"SELECT seq FROM {CHECKPOINT_TABLE}").fetchall() == [(9,)]
+    fresh = LeaseBook(20)
+    assert LedgerStore(conn).replay(fresh) == 0 and fresh.snapshot() == book.snapshot()
 
 
 def test_uncommitted_events_are_not_durable(tmp_path):
@@ -395,6 +470,11 @@ class LeaseModel(RuleBasedStateMachine):
         args = dict(lease_id=lease_id, site=other, consumed=0, now=self.now)
         self.refused("not_owner", "commit", **args)
         self.ledger.record("commit", args)  # a refused command in the log replays as a no-op
+
+    @rule()
+    def checkpoint(self):
+        """A checkpoint anywhere: later restarts replay from it and reach the same book."""
+        self.ledger.checkpoint(self.book)
 
     @rule()
     def restart(self):

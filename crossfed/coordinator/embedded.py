@@ -104,9 +104,12 @@ def spawn_coordinator(
     port: int,
     timeout_s: float = 60.0,
     max_request_s: float | None = None,
+    ledger_checkpoint_every: int | None = None,
 ) -> subprocess.Popen:
     """Start ``crossfed coordinator serve`` in its own session and wait until it answers."""
-    proc = launch_coordinator(state_dir, secrets_path, host, port, max_request_s)
+    proc = launch_coordinator(
+        state_dir, secrets_path, host, port, max_request_s, ledger_checkpoint_every
+    )
     wait_until_serving(proc, state_dir, host, port, timeout_s)
     return proc
 
@@ -117,6 +120,7 @@ def launch_coordinator(
     host: str,
     port: int,
     max_request_s: float | None = None,
+    ledger_checkpoint_every: int | None = None,
 ) -> subprocess.Popen:
     """Start ``crossfed coordinator serve`` in its own session; do not wait for it."""
     cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve"]
@@ -124,6 +128,8 @@ def launch_coordinator(
     cmd += ["--host", host, "--port", str(port)]
     if max_request_s is not None:
         cmd += ["--max-request-s", str(max_request_s)]
+    if ledger_checkpoint_every is not None:
+        cmd += ["--ledger-checkpoint-every", str(ledger_checkpoint_every)]
     with open(state_dir / "coordinator.log", "ab") as log:
         return subprocess.Popen(
             cmd,

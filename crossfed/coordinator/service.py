@@ -30,7 +30,7 @@ from crossfed.coordinator.rounds import close_decision
 from crossfed.coordinator.runspec import RunSpec
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
-from crossfed.darl.ledger import LedgerError, LedgerStore, apply_event
+from crossfed.darl.ledger import CHECKPOINT_EVERY, LedgerError, LedgerStore, apply_event
 from crossfed.outer import DeltaError, outer_step, validate_delta, warm_up
 from crossfed.transport import digest_file, save_tensors
 
@@ -56,11 +56,17 @@ class Coordinator:
     """State of one run: global model, momentum, rounds and the DARL ledger."""
 
     def __init__(
-        self, state_dir: Path, *, clock: Callable[[], float] = time.time, keep_generations: int = 3
+        self,
+        state_dir: Path,
+        *,
+        clock: Callable[[], float] = time.time,
+        keep_generations: int = 3,
+        ledger_checkpoint_every: int = CHECKPOINT_EVERY,
     ) -> None:
         self.state_dir = state_dir
         self.clock = clock
         self.keep_generations = keep_generations
+        self.ledger_checkpoint_every = ledger_checkpoint_every
         self.lock = threading.RLock()
         self.conn = store.connect(state_dir / "state.sqlite")
         self.blobs = BlobStore(state_dir / "blobs")
@@ -368,10 +374,13 @@ class Coordinator:
                 self.conn.execute("PRAGMA synchronous=FULL")
 
     def _event(self, op: str, args: dict[str, Any]) -> Any:
-        """Apply one DARL command to the lease book and record it (inside a transaction)."""
+        """Apply one DARL command to the lease book and record it (inside a transaction); every
+        ``ledger_checkpoint_every`` events the book is checkpointed, so a restart replays
+        only the events since."""
         assert self.book is not None
         result = apply_event(self.book, op, args)
         self.ledger.record(op, args)
+        self.ledger.maybe_checkpoint(self.book, self.ledger_checkpoint_every)
         return result
 
     def _ttl(self, site: str, t_step_s: float | None, rtt_ms: float | None) -> float:

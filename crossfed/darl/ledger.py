@@ -5,12 +5,22 @@ the same (op, args) with `LedgerStore.record` inside the transaction it commits 
 replying. A restarted coordinator replays the log into a fresh `LeaseBook` built with the
 same n_blocks and gets the identical book. The store never opens, commits or configures the
 connection (WAL and synchronous=FULL are the caller's pragmas).
+
+The log grows with every heartbeat (a site beats about once a second), so a long run's
+restart would replay millions of events. `checkpoint` stores the book as it stands after the
+last recorded event (in the same transaction); `replay` starts from the newest checkpoint and
+applies only the events after it. A checkpoint is a cache: the full log is kept, and one that
+cannot be read or comes from another book layout (`CHECKPOINT_FORMAT`) is ignored in favour
+of a full replay. Checkpoints are pickles: only the coordinator writes its state database.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import pickle
 import sqlite3
+import zlib
 from collections.abc import Mapping, Sequence
 
 import pandas as pd
@@ -26,7 +36,14 @@ __all__ = [
     "apply_event",
 ]
 
+log = logging.getLogger("crossfed.darl")
+
 EVENTS_TABLE = "darl_events"
+CHECKPOINT_TABLE = "darl_checkpoints"
+#: the LeaseBook layout a checkpoint holds; change it when LeaseBook's attributes change
+CHECKPOINT_FORMAT = "leasebook-pickle-1"
+#: events between checkpoints by default (replaying them takes about a tenth of a second)
+CHECKPOINT_EVERY = 10_000
 COMMITTED_TABLE = "darl_committed"
 META_TABLE = "darl_meta"
 
@@ -123,6 +140,11 @@ class LedgerStore:
         conn.execute(
             f"CREATE TABLE IF NOT EXISTS {META_TABLE} (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
         )
+        conn.execute(
+            f"CREATE TABLE IF NOT EXISTS {CHECKPOINT_TABLE} ("
+            " seq INTEGER PRIMARY KEY, format TEXT NOT NULL, state BLOB NOT NULL)"
+        )
+        self._since_checkpoint: int | None = None  # events recorded since; None: not counted
 
     # ---- event log -----------------------------------------------------------------------
 
@@ -141,21 +163,81 @@ class LedgerStore:
         return [(seq, op, json.loads(text)) for seq, op, text in rows]
 
     def replay(self, book: LeaseBook, *, strict: bool = False) -> int:
-        """Re-apply every recorded event to `book` in order; returns how many were read.
+        """Bring a fresh `book` to the logged state; returns how many events were applied.
 
-        A refused command changes nothing, live or replayed, so an event the book refuses
-        (LeaseError) is skipped unless `strict`: a caller that records before applying still
-        replays to the same book.
+        Starts from the newest usable checkpoint (then only the events after it are read)
+        or from the first event. A refused command changes nothing, live or replayed, so an
+        event the book refuses (LeaseError) is skipped unless `strict`: a caller that records
+        before applying still replays to the same book.
         """
+        start = self._restore_checkpoint(book)
+        rows = self.conn.execute(
+            f"SELECT op, args FROM {EVENTS_TABLE} WHERE seq > ? ORDER BY seq", (start,)
+        )
         n = 0
-        for _, op, args in self.events():
+        for op, text in rows:  # streamed: the log may be far larger than memory allows
             try:
-                apply_event(book, op, args)
+                apply_event(book, op, json.loads(text))
             except LeaseError:
                 if strict:
                     raise
             n += 1
         return n
+
+    def checkpoint(self, book: LeaseBook) -> int:
+        """Store `book` as the state after the last recorded event (joins the caller's
+        transaction; older checkpoints are dropped); returns that event's seq."""
+        seq = self._last_seq()
+        blob = zlib.compress(pickle.dumps(vars(book), protocol=pickle.HIGHEST_PROTOCOL), 1)
+        self.conn.execute(f"DELETE FROM {CHECKPOINT_TABLE}")
+        self.conn.execute(
+            f"INSERT INTO {CHECKPOINT_TABLE} (seq, format, state) VALUES (?, ?, ?)",
+            (seq, CHECKPOINT_FORMAT, blob),
+        )
+        self._since_checkpoint = 0
+        return seq
+
+    def maybe_checkpoint(self, book: LeaseBook, every: int = CHECKPOINT_EVERY) -> bool:
+        """Call after recording an event: a checkpoint once `every` events have passed."""
+        if self._since_checkpoint is None:
+            row = self.conn.execute(f"SELECT MAX(seq) FROM {CHECKPOINT_TABLE}").fetchone()
+            self._since_checkpoint = self._last_seq() - (row[0] or 0)
+        else:
+            self._since_checkpoint += 1
+        if every < 1 or self._since_checkpoint < every:
+            return False
+        self.checkpoint(book)
+        return True
+
+    def _last_seq(self) -> int:
+        return self.conn.execute(f"SELECT COALESCE(MAX(seq), 0) FROM {EVENTS_TABLE}").fetchone()[0]
+
+    def _restore_checkpoint(self, book: LeaseBook) -> int:
+        """Load the newest checkpoint into `book`; the seq it stands at (0: none usable)."""
+        row = self.conn.execute(
+            f"SELECT seq, format, state FROM {CHECKPOINT_TABLE} ORDER BY seq DESC LIMIT 1"
+        ).fetchone()
+        if row is None:
+            return 0
+        seq, fmt, blob = row
+        why = None
+        if fmt != CHECKPOINT_FORMAT:
+            why = f"format {fmt!r}, this version reads {CHECKPOINT_FORMAT!r}"
+        else:
+            try:
+                state = pickle.loads(zlib.decompress(blob))
+            except Exception as exc:  # any damage: the full log still holds the truth
+                why = f"unreadable ({type(exc).__name__}: {exc})"
+            else:
+                if not isinstance(state, dict) or set(state) != set(vars(book)):
+                    why = "another lease-book layout"
+                elif state.get("n_blocks") != book.n_blocks:
+                    why = f"n_blocks {state.get('n_blocks')}, the book has {book.n_blocks}"
+        if why is not None:
+            log.warning("DARL checkpoint at event %d ignored (%s): replaying every event", seq, why)
+            return 0
+        vars(book).update(state)
+        return seq
 
     # ---- block-space binding -------------------------------------------------------------
 
