@@ -614,7 +614,7 @@ class SiteRunner:
             allowed = 0 if beat.lost is not None else sum(sizes[: beat.allowed_blocks])
             if out_of_time(self.s.stop_training_at, beat.t_step_s):
                 allowed = min(allowed, block_end(sizes, done[0]))
-            return broadcast_int(allowed, self.ranks, self.device)
+            return broadcast_int(allowed, self.ranks)
 
         def on_step(info: StepInfo) -> None:
             done[0] = info.windows_done

@@ -72,8 +72,16 @@ def under_torchrun() -> bool:
     )
 
 
+#: a gloo group over all ranks for small control messages (the per-step window limit, round
+#: decisions): they travel between the hosts and never wait for the device, so a rank's host
+#: can queue its next step while the GPU still runs the last one
+_control_group: Any = None
+
+
 def init_ranks(device: str) -> Ranks:
-    """Join torchrun's process group (NCCL/RCCL on GPU, gloo on CPU); one process: no group."""
+    """Join torchrun's process group (NCCL/RCCL on GPU, gloo on CPU) and a gloo control
+    group beside it; one process: no groups."""
+    global _control_group
     if not under_torchrun():
         return Ranks()
     world = int(os.environ["WORLD_SIZE"])
@@ -83,12 +91,15 @@ def init_ranks(device: str) -> Ranks:
         if device.startswith("cuda"):
             torch.cuda.set_device(local)
         dist.init_process_group(backend)
+        _control_group = dist.new_group(backend="gloo")
     return Ranks(world=world, rank=rank, local_rank=local)
 
 
 def close_ranks(ranks: Ranks) -> None:
+    global _control_group
     if ranks.distributed and dist.is_initialized():
         dist.destroy_process_group()
+    _control_group = None
 
 
 def resolve_device(device: str, what: str) -> str:
@@ -113,17 +124,24 @@ def broadcast_object(obj: Any, ranks: Ranks) -> Any:
     if not ranks.distributed:
         return obj
     box = [obj if ranks.main else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_control_group)
     return box[0]
 
 
-def broadcast_int(value: int, ranks: Ranks, device: str) -> int:
-    """Rank 0's integer on every rank: one small collective (used once per step)."""
+def broadcast_int(value: int, ranks: Ranks) -> int:
+    """Rank 0's integer on every rank: one small host-side collective (used once per step;
+    over the control group it never waits for the device)."""
     if not ranks.distributed:
         return value
+    device = "cpu" if _control_group is not None else _default_group_device()
     t = torch.tensor([value if ranks.main else 0], dtype=torch.int64, device=device)
-    dist.broadcast(t, src=0)
+    dist.broadcast(t, src=0, group=_control_group)
     return int(t.item())
+
+
+def _default_group_device() -> str:
+    """Where the default group's tensors live (a group set up by someone else)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def sum_over_ranks(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
