@@ -11,6 +11,10 @@ the same repeat. Prints one JSON object as its last line.
 
     .venv/bin/python bench/inner_loop.py                 # CPU: tiny flavour
     .venv/bin/python bench/inner_loop.py --flavour 0.6B --device cuda --seq-len 2048
+    .venv/bin/python bench/inner_loop.py ... --compile --activation-checkpointing selective
+
+``--compile`` / ``--activation-checkpointing`` apply the site's torchtitan options (the
+``parallelize`` a one-process site runs) to the one model both sides train.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.site import Heartbeat
-from crossfed.train.distributed import Ranks, mfu, uses_autocast
+from crossfed.train.distributed import ParallelConfig, Ranks, mfu, parallelize, uses_autocast
 from crossfed.train.inner import (
     InnerConfig,
     LeaseWindows,
@@ -125,6 +129,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--heartbeat-s", type=float, default=0.1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="torch.compile per block")
+    parser.add_argument("--activation-checkpointing", default="none")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory()
@@ -148,6 +154,9 @@ def main() -> None:
 
     fresh = build_model(args.flavour, vocab_size=store.vocab_size, device=args.device)
     fpt = flops_per_token(fresh, args.flavour, store.vocab_size, store.seq_len)
+    options = ParallelConfig(args.compile, args.activation_checkpointing)
+    if options != ParallelConfig():  # as a one-process site applies them
+        fresh = parallelize(fresh, ranks, options, args.device)
     state0 = {k: v.clone() for k, v in fresh.state_dict().items()}
 
     def reset() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -193,6 +202,8 @@ def main() -> None:
         "windows_per_step": config.windows_per_step,
         "steps": args.steps,
         "repeats": args.repeats,
+        "compile": args.compile,
+        "activation_checkpointing": args.activation_checkpointing,
         "bare_tokens_per_s": round(bare_tps, 1),
         "crossfed_tokens_per_s": round(ours_tps, 1),
         "heartbeats": beats,
