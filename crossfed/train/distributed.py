@@ -91,6 +91,7 @@ def init_ranks(device: str) -> Ranks:
         if device.startswith("cuda"):
             torch.cuda.set_device(local)
         dist.init_process_group(backend)
+    if world > 1 and _control_group is None:
         _control_group = dist.new_group(backend="gloo")
     return Ranks(world=world, rank=rank, local_rank=local)
 
@@ -133,15 +134,9 @@ def broadcast_int(value: int, ranks: Ranks) -> int:
     over the control group it never waits for the device)."""
     if not ranks.distributed:
         return value
-    device = "cpu" if _control_group is not None else _default_group_device()
-    t = torch.tensor([value if ranks.main else 0], dtype=torch.int64, device=device)
+    t = torch.tensor([value if ranks.main else 0], dtype=torch.int64)
     dist.broadcast(t, src=0, group=_control_group)
     return int(t.item())
-
-
-def _default_group_device() -> str:
-    """Where the default group's tensors live (a group set up by someone else)."""
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def sum_over_ranks(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
