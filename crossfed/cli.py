@@ -3,28 +3,86 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import math
 import os
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from crossfed.config import ConfigError, load_run_config, load_sites
 
 
-def _setup_logging(log_file: str | None, verbose: bool = False) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_file:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
+class _Tee(io.TextIOBase):
+    """A text stream that writes to the terminal's stream and to the log file alike."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self._stream, self._log = stream, log
+
+    def write(self, text: str) -> int:
+        self._stream.write(text)
+        if not self._log.closed:  # a handler left over after main() returned
+            self._log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+        if not self._log.closed:
+            self._log.flush()
+
+    def fileno(self) -> int:  # subprocesses inherit the terminal's stream
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", None) or "utf-8"
+
+
+@contextlib.contextmanager
+def _tee_to(log_file: str | None) -> Iterator[None]:
+    """With ``--log``: all a command says (stdout, stderr, its traceback) also goes to the log."""
+    if not log_file:
+        yield
+        return
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "a", buffering=1, encoding="utf-8", errors="replace") as log:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+        try:
+            yield
+        except (Exception, KeyboardInterrupt):  # the terminal gets it from the interpreter
+            log.write(traceback.format_exc())
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = out, err
+
+
+def _log_file(argv: list[str] | None) -> str | None:
+    """``--log`` of the command line, read before the full parse so usage errors reach it."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--log")
+    known, _ = early.parse_known_args(argv)
+    return known.log
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    """Log lines to stderr (which ``--log`` tees to the log file)."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
-        handlers=handlers,
+        handlers=[logging.StreamHandler(sys.stderr)],
         force=True,
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -433,7 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="crossfed",
         description="Pool Slurm allocations from several supercomputers into one pre-training run.",
     )
-    parser.add_argument("--log", help="also write log lines to this file")
+    parser.add_argument(
+        "--log", help="also write everything the command says (output, errors) to this file"
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -560,9 +620,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; with ``--log`` everything it says also lands in the log file."""
+    with _tee_to(_log_file(argv)):
+        return _run(argv)
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.log, args.verbose)
+    _setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:

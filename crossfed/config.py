@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonschema import Draft202012Validator, validators
+from jsonschema import Draft202012Validator, ValidationError, validators
+
+from crossfed.flavours import did_you_mean, flavour_error
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "workflow" / "schemas"
 
@@ -34,18 +36,64 @@ def _with_defaults(cls):
 _Validator = _with_defaults(Draft202012Validator)
 
 
+def _describe(error: ValidationError) -> str:
+    """One schema error as a user reads it: where, what, and the likely fix."""
+    where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        known = list(schema.get("properties", {}))
+        problems = []
+        for key in (k for k in error.instance if k not in known):
+            hint = did_you_mean(str(key), known) or f"; known keys: {', '.join(known)}"
+            problems.append(f"{where}: unknown key {key!r}{hint}")
+        return "; ".join(problems)
+    if error.validator == "enum":
+        allowed = [str(v) for v in error.validator_value]
+        hint = did_you_mean(error.instance, allowed) if isinstance(error.instance, str) else ""
+        return f"{where}: {error.instance!r} is not one of {', '.join(allowed)}{hint}"
+    if error.validator == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        keys = "key" if len(missing) == 1 else "keys"
+        about = schema.get("description")
+        text = f"{where}: missing required {keys} {', '.join(repr(k) for k in missing)}"
+        return text + (f" ({about})" if about else "")
+    if error.validator == "pattern" and schema.get("description"):
+        return f"{where}: {error.instance!r} is not {schema['description']}"
+    about = schema.get("description") if error.validator == "minItems" else None
+    return f"{where}: {error.message}" + (f" ({about})" if about else "")
+
+
 def validate(data: dict[str, Any], schema_name: str, source: str) -> dict[str, Any]:
-    """Validate ``data`` against ``workflow/schemas/<schema_name>``, filling defaults."""
+    """Validate ``data`` against ``workflow/schemas/<schema_name>``, filling defaults.
+
+    Every problem is named in one ConfigError: where it is, and the likely fix.
+    """
     schema = yaml.safe_load((SCHEMAS / schema_name).read_text())
     data = copy.deepcopy(data)
     # defaults of nested objects appear only once their parent exists: validate twice
     for _ in range(2):
         errors = sorted(_Validator(schema).iter_errors(data), key=lambda e: list(e.path))
         if errors:
-            first = errors[0]
-            where = "/".join(str(p) for p in first.path) or "(top level)"
-            raise ConfigError(f"{source}: {where}: {first.message}")
+            problems = list(dict.fromkeys(_describe(e) for e in errors))
+            raise ConfigError(f"{source}: {'; '.join(problems)}")
     return data
+
+
+def check_model(config: dict[str, Any], source: str) -> None:
+    """Refuse a model flavour crossfed cannot build (checked without importing torch)."""
+    problem = flavour_error(config["model"]["flavour"])
+    if problem:
+        raise ConfigError(f"{source}: model/flavour: {problem}")
+
+
+def check_run(config: dict[str, Any], sites: dict[str, dict[str, Any]]) -> None:
+    """Checks across the validated run config and its sites, made when the workflow is read."""
+    check_model(config, "workflow config")
+    unknown = sorted(set(config["here"]) - set(sites))
+    if unknown:
+        raise ConfigError(
+            f"config 'here' names unknown sites {unknown}; the run's sites are {list(sites)}"
+        )
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -67,13 +115,21 @@ def load_run_config(path: Path | None, overrides: dict[str, Any] | None = None) 
     data = read_yaml(path) if path else {}
     for key, value in (overrides or {}).items():
         data[key] = value
-    return validate(data, "config.schema.yaml", str(path or "config"))
+    source = str(path or "config")
+    config = validate(data, "config.schema.yaml", source)
+    check_model(config, source)
+    return config
 
 
 def load_sites(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The participating sites from ``config['sites_file']``, validated, in file order."""
     path = Path(config["sites_file"])
     sites = validate(read_yaml(path), "sites.schema.yaml", str(path))["sites"]
+    for name, site in sites.items():
+        names = [shape["name"] for shape in site["shapes"]]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"{path}: sites/{name}/shapes: shape names used twice: {twice}")
     wanted = config.get("sites") or list(sites)
     unknown = [name for name in wanted if name not in sites]
     if unknown:

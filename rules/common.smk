@@ -7,13 +7,14 @@ from pathlib import Path
 
 import yaml
 from crossfed.chain import planned_job
-from crossfed.config import ConfigError, load_sites, validate
+from crossfed.config import ConfigError, check_run, load_sites, validate
 
 config.update(validate(dict(config), "config.schema.yaml", "workflow config"))
 RESULTS = config["results"]
 DATA = config["data"]["dir"]
 LOGS = f"{RESULTS}/logs"
 SITE_CONFIG = load_sites(config)
+check_run(config, SITE_CONFIG)  # the model flavour; 'here' names sites of the run
 SITES = list(SITE_CONFIG)
 ROUNDS = list(range(1, config["rounds"] + 1))
 CROSSFED = "crossfed"
@@ -21,8 +22,6 @@ CROSSFED = "crossfed"
 # The sites whose jobs this workflow submits: every site of the run (local profile, one
 # login node driving a test cluster), or only the site whose login node this is.
 HERE = config["here"] or SITES
-if set(HERE) - set(SITES):
-    raise ConfigError(f"config 'here' names unknown sites {sorted(set(HERE) - set(SITES))}")
 # A site without a batch scheduler runs one job per round; a Slurm site chains allocations.
 LOCAL_SITES = [s for s in HERE if SITE_CONFIG[s]["scheduler"] != "slurm"]
 SLURM_SITES = [s for s in HERE if SITE_CONFIG[s]["scheduler"] == "slurm"]

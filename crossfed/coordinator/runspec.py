@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from crossfed.flavours import flavour_error
 from crossfed.outer import OuterConfig
 from crossfed.train.schedule import LRSchedule
 
@@ -80,4 +81,7 @@ class RunSpec:
             raise RunSpecError("inner_steps (H) must be >= 1")
         if not spec.sites:
             raise RunSpecError("a run needs at least one site")
+        problem = flavour_error(spec.flavour)
+        if problem:
+            raise RunSpecError(f"flavour: {problem}")
         return spec

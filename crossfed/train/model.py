@@ -67,9 +67,14 @@ LOCAL_FLAVOURS: dict[str, Callable[[str], Qwen3Model.Config]] = {
 }
 
 
+def _is_moe(flavour: str, config: Qwen3Model.Config) -> bool:
+    return "moe" in flavour.lower() or any(layer.moe is not None for layer in config.layers)
+
+
 def flavour_names() -> list[str]:
-    """Every flavour name ``build_model`` accepts."""
-    return sorted(LOCAL_FLAVOURS) + sorted(qwen3_configs)
+    """Every flavour name ``build_model`` accepts: crossfed's, then torchtitan's dense Qwen3."""
+    dense = [name for name, build in qwen3_configs.items() if not _is_moe(name, build("flex"))]
+    return sorted(LOCAL_FLAVOURS) + sorted(dense)
 
 
 def model_config(flavour: str, *, vocab_size: int, device: str = "cpu") -> Qwen3Model.Config:
@@ -82,7 +87,7 @@ def model_config(flavour: str, *, vocab_size: int, device: str = "cpu") -> Qwen3
     if vocab_size < 2:
         raise ModelConfigError(f"vocab_size must be >= 2, got {vocab_size}")
     config = factory("flex")
-    if "moe" in flavour.lower() or any(layer.moe is not None for layer in config.layers):
+    if _is_moe(flavour, config):
         raise ModelConfigError(
             f"flavour {flavour!r} is a mixture-of-experts model; crossfed trains dense Qwen3"
         )
