@@ -252,6 +252,17 @@ class ChainOutcome:
         }
 
 
+def chain_continues(outcome: Mapping[str, Any], rounds: int) -> bool:
+    """Whether a chain needs a job after this outcome, for a run of ``rounds`` rounds.
+
+    A job that stopped at its walltime with progress hands on; one that completed the run
+    as it was then hands on too once the run is extended past the round it reached.
+    """
+    if outcome["next_job"]:
+        return True
+    return outcome["stopped"] == "run_complete" and int(outcome["next_round"] or 0) <= rounds
+
+
 def next_action(
     current: int,
     done: set[int],

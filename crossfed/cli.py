@@ -164,6 +164,51 @@ def _join_run(client: Any, spec: Any) -> dict[str, Any]:
     return {"created": False, "joined": True, **status}
 
 
+def _secure_model(config: dict[str, Any], client: Any, generation: int, out: Path) -> Path:
+    """Keep a global model where the workflow cannot delete it, and link it to ``out``.
+
+    The coordinator keeps only its last few generations, so the workflow's copy would be
+    the only one left; Snakemake deletes a rule's outputs before it reruns the rule. The
+    model is kept in ``<results>/.crossfed/models`` (no rule's output) and hard-linked to
+    ``out``, so a rerun that deleted ``out`` finds it there again.
+    """
+    kept = Path(config["results"]) / ".crossfed" / "models" / f"global-{generation}.safetensors"
+    if not kept.exists():
+        if out.exists():  # secured before the kept copy existed
+            _link_or_copy(out, kept)
+        else:
+            client.download_model(generation, kept)
+    if not out.exists():
+        _link_or_copy(kept, out)
+    return out
+
+
+def _link_or_copy(source: Path, dest: Path) -> None:
+    import shutil
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.link")
+    try:
+        os.link(source, tmp)
+    except OSError:  # another filesystem
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, dest)
+
+
+def _warn_schedule(status: dict[str, Any], spec: Any) -> None:
+    """A site whose config has more rounds than the coordinator's run trains them at the floor."""
+    theirs = (status.get("schedule") or {}).get("total_steps")
+    ours = spec.schedule.total_steps
+    if theirs is not None and theirs != ours:
+        print(
+            f"warning: the coordinator's run has a learning-rate schedule of {theirs} inner "
+            f"steps, this config's rounds make {ours}; the operator extends the run with "
+            "`crossfed run init` and the new rounds (rounds past the schedule train at its "
+            "floor)",
+            file=sys.stderr,
+        )
+
+
 def cmd_run_init(args: argparse.Namespace) -> int:
     from crossfed.coordinator.client import Refused
     from crossfed.coordinator.embedded import client_for
@@ -172,20 +217,29 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     config = _config(args)
     spec = run_spec(config, load_sites(config))
     client = client_for(config, "admin")
+    if args.resume_only:
+        try:
+            client.status()
+        except Refused as exc:
+            if exc.code != "no_run":
+                raise
+            print("no run on the coordinator yet; the workflow's init_run job creates it")
+            return 0
     try:
         reply = client.init_run(spec.to_dict())
     except Refused as exc:
         if exc.code != "forbidden":
             raise
         reply = _join_run(client, spec)  # a site token: the operator created the run
-    state = "created" if reply["created"] else "resumed"
+        _warn_schedule(reply, spec)
+    state = "created" if reply["created"] else "extended" if reply.get("extended") else "resumed"
     print(
         f"run {state}: round {reply['round']}, generation {reply['generation']}, "
         f"{reply['blocks_total']} blocks of {spec.block_size} windows, "
         f"digest {reply['digest'][:12]}"
     )
     if args.model_out:  # the initial model, for the round-0 evaluation
-        client.download_model(0, Path(args.model_out))
+        _secure_model(config, client, 0, Path(args.model_out))
     _write_json(args.out, {"spec": spec.to_dict(), **reply})
     return 0
 
@@ -265,7 +319,7 @@ def _site_chain(args: argparse.Namespace, config: dict[str, Any]) -> int:
         outcome = chain_job(
             config,
             args.site,
-            through_round=args.through_round,
+            through_round=config["rounds"] if args.through_round == "run" else args.through_round,
             plan_path=args.plan,
             until_walltime=args.until_walltime,
             round_out=template,
@@ -317,7 +371,7 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
         f"merge {report['merge_s']:.2f}s"
     )
     if args.model_out:  # secure the new global model now: the coordinator keeps only a few
-        client.download_model(report["generation"], Path(args.model_out))
+        _secure_model(config, client, report["generation"], Path(args.model_out))
     _write_json(args.out, info)
     return 0
 
@@ -476,6 +530,15 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _last_round(text: str) -> int | str:
+    if text == "run":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a round number or 'run'") from None
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -535,6 +598,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(init)
     init.add_argument("--out")
     init.add_argument("--model-out", help="also download the initial model (generation 0)")
+    init.add_argument(
+        "--resume-only",
+        action="store_true",
+        help="only resume or extend a run the coordinator already has (more rounds lengthen "
+        "its learning-rate schedule); do nothing if it has none",
+    )
     init.set_defaults(func=cmd_run_init)
 
     site = sub.add_parser("site", help="site jobs")
@@ -546,8 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--round", type=int, help="train this one outer round")
     which.add_argument(
         "--through-round",
-        type=int,
-        help="chain: train the current round and the ones after it, back to back, up to this one",
+        type=_last_round,
+        help="chain: train the current round and the ones after it, back to back, up to this "
+        "one ('run': the config's last round, so an extended run needs no other command)",
     )
     srun.add_argument(
         "--until-walltime",

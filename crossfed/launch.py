@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.outer import OuterConfig
-from crossfed.site import SiteSettings
-from crossfed.train.distributed import ParallelConfig
-from crossfed.train.inner import InnerConfig
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import read_meta
+
+if TYPE_CHECKING:  # the site's modules import torchtitan: only a site job needs them
+    from crossfed.site import SiteSettings
 
 
 def run_spec(config: dict[str, Any], sites: dict[str, dict[str, Any]]) -> RunSpec:
@@ -49,6 +49,10 @@ def site_settings(
     config: dict[str, Any], site_name: str, site: dict[str, Any], accumulation: int | None = None
 ) -> SiteSettings:
     """Settings of one site job; ``accumulation`` may come from the plan (filling the barrier)."""
+    from crossfed.site import SiteSettings
+    from crossfed.train.distributed import ParallelConfig
+    from crossfed.train.inner import InnerConfig
+
     inner = config["inner"]
     return SiteSettings(
         site=site_name,

@@ -85,3 +85,31 @@ class RunSpec:
         if problem:
             raise RunSpecError(f"flavour: {problem}")
         return spec
+
+
+#: the only field a rerun may change on an existing run: more rounds lengthen the schedule
+EXTENSIBLE = ("schedule.total_steps",)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, inner in value.items():
+            out.update(_flatten(inner, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def differences(old: RunSpec, new: RunSpec) -> dict[str, tuple[Any, Any]]:
+    """Dotted field name -> (old, new) for every field where the two specs differ."""
+    before, after = _flatten(old.to_dict()), _flatten(new.to_dict())
+    return {
+        name: (before.get(name), after.get(name))
+        for name in sorted(set(before) | set(after))
+        if before.get(name) != after.get(name)
+    }
+
+
+def describe(changes: dict[str, tuple[Any, Any]]) -> str:
+    """``a.b: 1 -> 2, c: x -> y`` for an error message."""
+    return ", ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.items())

@@ -27,7 +27,7 @@ from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobStore
 from crossfed.coordinator.faults import crash_point
 from crossfed.coordinator.rounds import close_decision
-from crossfed.coordinator.runspec import RunSpec
+from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
 from crossfed.darl.ledger import CHECKPOINT_EVERY, LedgerError, LedgerStore, apply_event
@@ -113,13 +113,7 @@ class Coordinator:
         with self.lock:
             existing = store.get_meta(self.conn, "spec")
             if existing is not None:
-                if RunSpec.from_dict(existing) != spec:
-                    raise CoordinatorError(
-                        409,
-                        "run_exists",
-                        "this coordinator already serves a different run; start a new state dir",
-                    )
-                return {"created": False, **self.status()}
+                return self._resume_run(RunSpec.from_dict(existing), spec)
             from crossfed.train.model import build_model, parameters_of  # torchtitan is heavy
 
             model = build_model(spec.flavour, vocab_size=spec.vocab_size, seed=spec.model_seed)
@@ -143,6 +137,39 @@ class Coordinator:
         if self.spec is None:
             raise CoordinatorError(409, "no_run", "no run initialised; call POST /v1/run first")
         return self.spec
+
+    def _resume_run(self, current: RunSpec, spec: RunSpec) -> dict[str, Any]:
+        """The same run again, or the same run with more rounds (a longer LR schedule).
+
+        Only ``schedule.total_steps`` may change, and only upwards: the rounds already
+        trained keep the learning rates they had; later rounds follow the longer schedule.
+        Any other difference would change what the finished rounds mean, so it is refused.
+        """
+        changes = differences(current, spec)
+        if not changes:
+            return {"created": False, "extended": False, **self.status()}
+        refused = {k: v for k, v in changes.items() if k not in EXTENSIBLE}
+        if refused:
+            raise CoordinatorError(
+                409,
+                "run_exists",
+                f"this coordinator serves a run that differs from this config in "
+                f"{describe(refused)}; a run in progress keeps its data, model, sites and "
+                f"settings: use the run's config, or start a new run in a new state dir",
+            )
+        old_total, new_total = changes["schedule.total_steps"]
+        if new_total < old_total:
+            raise CoordinatorError(
+                409,
+                "run_exists",
+                f"the run's schedule is {old_total} inner steps long; a run can be extended "
+                f"(more rounds), not shortened to {new_total}",
+            )
+        with store.Transaction(self.conn):
+            store.set_meta(self.conn, "spec", spec.to_dict())
+        self.spec = spec
+        log.info("run extended: schedule %d -> %d inner steps", old_total, new_total)
+        return {"created": False, "extended": True, **self.status()}
 
     # ------------------------------------------------------------------ files
     def _master_path(self, generation: int) -> Path:

@@ -192,8 +192,35 @@ def load_fixed_jobs(path: str | Path) -> list[FixedJob]:
     return jobs
 
 
+def _from_run_config(args: argparse.Namespace) -> None:
+    """Fill the run's target from the workflow's effective config (``--config``).
+
+    The run's ``rounds`` is the target, one unit per round, and a unit is the tokens one
+    round consumes; flags given explicitly win. Rules pass the config file rather than
+    these numbers, so a rerun with more rounds changes no finished job's parameters.
+    """
+    from crossfed.config import load_run_config, load_sites
+
+    config = load_run_config(Path(args.config))
+    sites = load_sites(config)
+    windows = sum(s["micro_batch"] * s["ranks"] * s["accumulation"] for s in sites.values())
+    if args.sites is None:
+        args.sites = config["sites_file"]
+    if args.target_units is None and args.target_tokens is None:
+        args.target_units = float(config["rounds"])
+    if args.units_per_round is None:
+        args.units_per_round = 1.0
+    if args.tokens_per_unit is None:
+        args.tokens_per_unit = float(config["inner"]["steps"] * config["data"]["seq_len"] * windows)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan submissions from probes, sacct history and job logs; write PLAN.json."""
+    if args.config:
+        try:
+            _from_run_config(args)
+        except ValueError as exc:  # ConfigError
+            return _fail(exc)
     missing = [f"--{k}" for k in ("sites", "probes", "out") if not getattr(args, k)]
     if missing:
         return _fail(CliInputError(f"plan needs {', '.join(missing)} (or use 'plan simulate')"))
@@ -261,6 +288,10 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_probe)
 
     q = subparsers.add_parser("plan", help="queue-aware placement -> PLAN.json")
+    q.add_argument(
+        "--config",
+        help="the run config: its sites file, and its rounds as the target (one unit a round)",
+    )
     q.add_argument("--sites", help="config/sites.yaml")
     q.add_argument("--probes", help="probe table or probe history (CSV)")
     q.add_argument("--out", help="plan to write (JSON)")

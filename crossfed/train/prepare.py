@@ -74,7 +74,7 @@ def _check_params(vocab_size: int, seq_len: int, val_fraction: float, shards: in
         raise PrepareError(f"--shards must be at least 1, got {shards}")
 
 
-def _params(
+def preparation_params(
     *,
     embedded: bool,
     trained: bool,
@@ -83,6 +83,7 @@ def _params(
     val_fraction: float,
     shards: int,
 ) -> dict:
+    """The settings a preparation is made from, as ``meta.json`` records them in ``params``."""
     return {
         "corpus": "embedded" if embedded else "inputs",
         "python": platform.python_version() if embedded else None,
@@ -185,7 +186,7 @@ def prepare(
         tokenizer = tokenizer / TOKENIZER_FILE if tokenizer.is_dir() else tokenizer
         load_tokenizer(tokenizer)  # fail early on a missing or invalid file
     sources = resolve_inputs(inputs) if inputs else None
-    params = _params(
+    params = preparation_params(
         embedded=sources is None,
         trained=tokenizer is None,
         vocab_size=vocab_size,
@@ -252,7 +253,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "documentation) into fixed windows of seq_len + 1 tokens for training."
         ),
     )
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="take every setting from this run config's `data` block (the workflow's way: its "
+        "rule then holds no data settings that a rerun could see change); flags are ignored",
+    )
+    parser.add_argument("--out", type=Path, help="output directory (required without --config)")
     parser.add_argument(
         "--input",
         type=Path,
@@ -277,6 +284,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `crossfed data prepare`; returns the exit code."""
+    if args.config is not None:
+        from crossfed.config import load_run_config
+
+        data = load_run_config(args.config)["data"]
+        args.out, args.tokenizer = Path(data["dir"]), data["tokenizer"]
+        args.input = [Path(p) for p in data["inputs"]] or None
+        args.vocab_size, args.seq_len = data["vocab_size"], data["seq_len"]
+        args.val_fraction, args.shards = data["val_fraction"], data["shards"]
+    if args.out is None:
+        print("crossfed data prepare: error: --out (or --config) is required", file=sys.stderr)
+        return 2
     try:
         prepare(
             args.out,

@@ -1,0 +1,160 @@
+"""Extending a run: what a rerun may change, checked before Snakemake plans anything."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import tiny_spec
+
+from crossfed.chain import chain_continues
+from crossfed.config import ConfigError, load_run_config, load_sites
+from crossfed.coordinator.runspec import RunSpec, differences
+from crossfed.coordinator.service import Coordinator, CoordinatorError
+from crossfed.launch import run_spec
+from crossfed.resume import check_rerun, data_changes
+from crossfed.sched import cli as sched_cli
+from crossfed.train.schedule import LRSchedule
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_differences_name_every_changed_field(tiny_data: Path) -> None:
+    spec = tiny_spec(tiny_data)
+    assert differences(spec, spec) == {}
+    other = replace(spec, block_size=16, schedule=replace(spec.schedule, total_steps=99))
+    assert differences(spec, other) == {
+        "block_size": (8, 16),
+        "schedule.total_steps": (spec.schedule.total_steps, 99),
+    }
+
+
+def test_coordinator_extends_the_schedule_and_refuses_other_changes(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    spec = tiny_spec(tiny_data, schedule=LRSchedule(total_steps=40))
+    coordinator = Coordinator(tmp_path / "state")
+    assert coordinator.init_run(spec)["created"]
+    assert coordinator.init_run(spec)["extended"] is False
+
+    longer = replace(spec, schedule=replace(spec.schedule, total_steps=60))
+    reply = coordinator.init_run(longer)
+    assert reply["extended"] and reply["schedule"]["total_steps"] == 60
+    assert Coordinator(tmp_path / "state").spec == longer  # stored, survives a restart
+
+    with pytest.raises(CoordinatorError) as shorter:
+        coordinator.init_run(spec)
+    assert shorter.value.status == 409 and "not shortened" in shorter.value.message
+    with pytest.raises(CoordinatorError) as other:
+        coordinator.init_run(replace(longer, block_size=4))
+    assert other.value.code == "run_exists" and "block_size: 8 -> 4" in other.value.message
+    assert Coordinator(tmp_path / "state").spec == longer  # the refusals changed nothing
+
+
+def _workdir(tmp_path: Path, data_dir: Path) -> dict:
+    """A config whose data are the prepared test data and whose run.json records its spec."""
+    shutil.copytree(data_dir, tmp_path / "data")
+    sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
+    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(sites))
+    overrides = {
+        "results": str(tmp_path / "results"),
+        "sites_file": str(tmp_path / "sites.yaml"),
+        "data": {**_data_settings(data_dir), "dir": str(tmp_path / "data")},
+        "rounds": 4,
+    }
+    config = load_run_config(None, overrides)
+    spec = run_spec(config, load_sites(config))
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "run.json").write_text(json.dumps({"spec": spec.to_dict()}))
+    return overrides
+
+
+def _data_settings(data_dir: Path) -> dict:
+    params = json.loads((data_dir / "meta.json").read_text())["params"]
+    return {
+        "vocab_size": params["vocab_size"],
+        "seq_len": params["seq_len"],
+        "val_fraction": params["val_fraction"],
+        "shards": params["shards"],
+    }
+
+
+def _check(overrides: dict) -> None:
+    config = load_run_config(None, overrides)
+    check_rerun(config, load_sites(config))
+
+
+def test_more_rounds_pass_and_finished_rounds_cannot_be_dropped(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    overrides = _workdir(tmp_path, tiny_data)
+    _check(overrides)  # the run as created
+    _check({**overrides, "rounds": 10})  # extended
+    _check({**overrides, "eval": {"batch": 4}})  # only the coming rounds use it
+    merged = tmp_path / "results" / "rounds" / "3" / "merge.json"
+    merged.parent.mkdir(parents=True)
+    merged.write_text("{}")
+    with pytest.raises(ConfigError, match="closed 3 rounds already"):
+        _check({**overrides, "rounds": 2})
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"data": {"seq_len": 64}}, "data.seq_len: prepared with"),
+        ({"data": {"inputs": ["nowhere/c4-train.json.gz"]}}, "data.inputs"),
+        ({"data": {"block_size": 2}}, "block_size: 8 -> 2"),
+        ({"model": {"flavour": "small"}}, "flavour: 'tiny' -> 'small'"),
+        ({"outer": {"eta": 0.5}}, "outer.eta: 0.7 -> 0.5"),
+        ({"sites": ["snellius", "lumi"]}, "sites.frontier"),
+    ],
+)
+def test_changes_that_alter_finished_rounds_are_refused(
+    tmp_path: Path, tiny_data: Path, change: dict, named: str
+) -> None:
+    overrides = _workdir(tmp_path, tiny_data)
+    merged = {**overrides}
+    for key, value in change.items():
+        merged[key] = {**overrides.get(key, {}), **value} if isinstance(value, dict) else value
+    with pytest.raises(ConfigError) as refused:
+        _check(merged)
+    assert named in str(refused.value)
+    assert "Nothing was changed" in str(refused.value)
+
+
+def test_data_changes_is_empty_before_any_preparation(tmp_path: Path) -> None:
+    config = load_run_config(None, {"data": {"dir": str(tmp_path / "none")}})
+    assert data_changes(config) == []
+
+
+def test_a_completed_chain_goes_on_when_the_run_is_extended() -> None:
+    done = {"next_job": False, "stopped": "run_complete", "next_round": 9}
+    assert not chain_continues(done, 8)
+    assert chain_continues(done, 10)
+    assert chain_continues({"next_job": True, "stopped": "walltime", "next_round": 3}, 8)
+    too_short = {"next_job": False, "stopped": "too_short", "next_round": 3}
+    assert not chain_continues(too_short, 10)
+
+
+def test_plan_takes_the_run_length_from_the_config(tmp_path: Path) -> None:
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config.update(rounds=11, sites_file=str(REPO / "config" / "sites.yaml"))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    args = sched_cli.build_parser().parse_args(
+        ["plan", "--config", str(tmp_path / "config.yaml"), "--probes", "p.csv", "--out", "o"]
+    )
+    sched_cli._from_run_config(args)
+    sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())["sites"]
+    windows = sum(s["micro_batch"] * s["ranks"] * s["accumulation"] for s in sites.values())
+    assert args.target_units == 11 and args.units_per_round == 1
+    assert args.tokens_per_unit == config["inner"]["steps"] * config["data"]["seq_len"] * windows
+    assert args.sites == str(REPO / "config" / "sites.yaml")
+
+
+def test_run_spec_round_trips(tiny_data: Path) -> None:
+    spec = tiny_spec(tiny_data)
+    assert RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
