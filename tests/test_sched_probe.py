@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
+import yaml
 
 from crossfed.sched.probe import (
     LOCAL_DETAIL,
@@ -22,8 +26,10 @@ from crossfed.sched.probe import (
     read_probes,
     run_test_only,
     sbatch_argv,
+    subprocess_runner,
     write_probes,
 )
+from crossfed.sched.slurm_messages import ADVICE, Advice, advice_for
 
 NOW = datetime(2026, 11, 29, 16, 0, 0)
 OK_STDERR = (
@@ -261,3 +267,84 @@ def test_sites_file_errors(tmp_path) -> None:
     (tmp_path / "empty.yaml").write_text("other: 1\n")
     with pytest.raises(SitesConfigError, match="'sites:'"):
         load_sites(tmp_path / "empty.yaml")
+
+
+# ----------------------------------------------------------------------------- Slurm 22.05-25.11
+
+SLURM_DATA = yaml.safe_load(
+    (Path(__file__).parent / "data" / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text()
+)
+GENERIC_POLICY = (
+    "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)"
+)
+
+
+@pytest.mark.parametrize("case", SLURM_DATA["start_lines"], ids=lambda c: c["source"][:60])
+def test_start_estimates_of_every_version_and_time_format(case: dict) -> None:
+    now = datetime.fromisoformat(case["now"])
+    r = parse_test_only("", case["stderr"], 0, now)
+    assert r.ok and r.reason is ProbeReason.OK, r.detail
+    assert r.est_start == datetime.fromisoformat(case["start"]) and r.job_id == case["job"]
+    assert r.wait_s == (r.est_start - now).total_seconds()
+
+
+@pytest.mark.parametrize("case", SLURM_DATA["unreadable_starts"], ids=lambda c: c["raw"])
+def test_unreadable_start_time_is_unparsed_with_the_raw_text(case: dict) -> None:
+    r = parse_test_only("", case["stderr"], 0, NOW)
+    assert not r.ok and r.reason is ProbeReason.UNPARSED
+    assert case["raw"] in r.detail and r.est_start is None and r.job_id == "8"
+
+
+@pytest.mark.parametrize("case", SLURM_DATA["refusals"], ids=lambda c: c["name"])
+def test_composed_refusals_are_read_by_their_reason(case: dict) -> None:
+    r = parse_test_only("", case["stderr"], 1, NOW)
+    assert not r.ok and r.reason is ProbeReason(case["reason"])
+    assert r.detail and r.est_start is None
+
+
+ERRNO_CASES = [
+    (reason, e) for reason, entries in SLURM_DATA["errno_texts"].items() for e in entries
+]
+
+
+@pytest.mark.parametrize(("reason", "entry"), ERRNO_CASES, ids=[e["errno"] for _, e in ERRNO_CASES])
+def test_every_submission_errno_text_has_its_reason(reason: str, entry: dict) -> None:
+    expected = ProbeReason(reason)
+    for stderr in (
+        f"allocation failure: {entry['text']}\n",  # --test-only
+        f"sbatch: error: Batch job submission failed: {entry['text']}\n",  # a real submission
+    ):
+        assert parse_test_only("", stderr, 1, NOW).reason is expected, stderr
+
+
+LIMIT_CASES = [(r, name) for r, names in SLURM_DATA["limit_names"].items() for name in names]
+
+
+@pytest.mark.parametrize(("reason", "name"), LIMIT_CASES, ids=[n for _, n in LIMIT_CASES])
+def test_every_named_limit_decides_over_the_generic_policy_line(reason: str, name: str) -> None:
+    stderr = f"sbatch: error: {name}\nallocation failure: {GENERIC_POLICY}\n"
+    r = parse_test_only("", stderr, 1, NOW)
+    assert r.reason is ProbeReason(reason)
+    assert name in r.detail  # the limit Slurm named is kept for humans
+
+
+def test_node_and_gres_limits_are_not_time_limits() -> None:
+    # the generic policy line contains "time limits"; only the named limit may decide
+    for name in ("QOSMaxNodePerJobLimit", "QOSMaxGRESPerJob", "AssocMaxJobsLimit"):
+        stderr = f"sbatch: error: {name}\nallocation failure: {GENERIC_POLICY}\n"
+        assert parse_test_only("", stderr, 1, NOW).reason is not ProbeReason.TIME_LIMIT
+
+
+def test_every_reason_maps_to_an_advice() -> None:
+    assert set(ADVICE) == set(ProbeReason)
+    assert advice_for("time_limit") is Advice.SHORTEN_WALLTIME
+    assert advice_for("something_a_newer_crossfed_wrote") is Advice.CHECK
+
+
+def test_runner_gives_slurm_standard_times_whatever_the_caller_set(monkeypatch) -> None:
+    monkeypatch.setenv("SLURM_TIME_FORMAT", "relative")
+    stdout, _, rc = subprocess_runner(
+        [sys.executable, "-c", "import os; print(os.environ['SLURM_TIME_FORMAT'])"], 30
+    )
+    assert rc == 0 and stdout.strip() == "standard"
+    assert os.environ["SLURM_TIME_FORMAT"] == "relative"  # the caller's own is untouched

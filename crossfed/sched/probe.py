@@ -10,7 +10,6 @@ planner share.
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 import subprocess
@@ -23,7 +22,15 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from crossfed.sched.sacct import SlurmDurationError, format_slurm_duration, parse_slurm_duration
+from crossfed.sched.sacct import (
+    SlurmDurationError,
+    SlurmTimeError,
+    format_slurm_duration,
+    parse_slurm_duration,
+    parse_slurm_time,
+    slurm_client_env,
+)
+from crossfed.sched.slurm_messages import ProbeReason, classify_failure
 
 PROBE_COLUMNS = (
     "probed_at",
@@ -228,21 +235,6 @@ def load_sites(path: str | Path) -> dict[str, SiteConfig]:
 # ----------------------------------------------------------------------------- parsing
 
 
-class ProbeReason(enum.StrEnum):
-    """Why a probe row is (not) usable."""
-
-    OK = "ok"
-    NO_SCHEDULER = "no_scheduler"
-    TIME_LIMIT = "time_limit"
-    NODE_COUNT = "node_count"
-    NODE_CONFIG = "node_config"
-    PARTITION = "partition"
-    ACCOUNT = "account"
-    UNAVAILABLE = "unavailable"
-    TIMEOUT = "timeout"
-    UNPARSED = "unparsed"
-
-
 @dataclass(frozen=True)
 class ProbeResult:
     """The outcome of one ``sbatch --test-only``."""
@@ -255,18 +247,14 @@ class ProbeResult:
     job_id: str | None = None
 
 
+# "Job 8 to start at 2026-11-29T17:30:59 using 1 processors on nodes n1 in partition gpu"
+# (src/api/allocate.c, 22.05-24.11); 25.05 and 25.11 print "... at <time>[ on cluster C] a
+# using ...". The time is whatever SLURM_TIME_FORMAT makes of it, spaces included.
 _START = re.compile(
-    r"Job\s+(?P<job>\d+)\s+to start at\s+(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)"
-    r"|to start at\s+(?P<ts2>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)"
+    r"(?:Job\s+(?P<job>\d+)\s+)?to start at\s+(?P<ts>.+?)"
+    r"(?:\s+on cluster\s+\S+)?(?:\s+a)?\s+using\s+\d+\s+processors"
 )
-_FAILURES: tuple[tuple[re.Pattern[str], ProbeReason], ...] = (
-    (re.compile(r"invalid account|account/partition", re.I), ProbeReason.ACCOUNT),
-    (re.compile(r"time limit", re.I), ProbeReason.TIME_LIMIT),
-    (re.compile(r"node count specification", re.I), ProbeReason.NODE_COUNT),
-    (re.compile(r"requested node configuration is not available", re.I), ProbeReason.NODE_CONFIG),
-    (re.compile(r"invalid partition|partition .*(?:not|invalid)", re.I), ProbeReason.PARTITION),
-    (re.compile(r"account", re.I), ProbeReason.ACCOUNT),
-)
+_START_BARE = re.compile(r"(?:Job\s+(?P<job>\d+)\s+)?to start at\s+(?P<ts>\S+)")
 
 
 def _detail(text: str) -> str:
@@ -282,23 +270,28 @@ def parse_test_only(
 
     Slurm prints the estimate on stderr, e.g. ``sbatch: Job 8 to start at
     2026-11-29T17:30:59 using 1 processors on nodes n1 in partition gpu``. The timestamp is
-    the cluster's local time; when ``now`` is timezone-aware it is read in ``tz`` (default:
-    ``now``'s zone). The wait is clipped at zero (a start "in the past" means now).
+    the cluster's local time in any format ``parse_slurm_time`` reads (``relative`` ones
+    against ``now``); when ``now`` is timezone-aware it is read in ``tz`` (default:
+    ``now``'s zone). The wait is clipped at zero (a start "in the past" means now). A
+    start time in no known format is ``unparsed`` with the raw text in the detail.
+    Failures are read by ``slurm_messages.classify_failure``.
     """
     text = f"{stderr}\n{stdout}"
     if returncode == 0:
-        m = _START.search(text)
+        m = _START.search(text) or _START_BARE.search(text)
         if m:
-            est = datetime.fromisoformat(m.group("ts") or m.group("ts2"))
-            if now.tzinfo is not None:
-                est = est.replace(tzinfo=tz or now.tzinfo)
+            try:
+                est = parse_slurm_time(m.group("ts"), now, tz=tz)
+            except SlurmTimeError as exc:
+                return ProbeResult(False, ProbeReason.UNPARSED, str(exc), job_id=m.group("job"))
+            if est is None:
+                detail = f"no start estimate: {m.group('ts')!r}"
+                return ProbeResult(False, ProbeReason.UNPARSED, detail, job_id=m.group("job"))
             wait = max(0.0, (est - now).total_seconds())
             return ProbeResult(True, ProbeReason.OK, "", est, wait, m.group("job"))
         return ProbeResult(False, ProbeReason.UNPARSED, _detail(text) or "no start estimate")
-    for pattern, reason in _FAILURES:
-        if pattern.search(text):
-            return ProbeResult(False, reason, _detail(text))
-    return ProbeResult(False, ProbeReason.UNPARSED, _detail(text) or f"sbatch exited {returncode}")
+    reason = classify_failure(text)
+    return ProbeResult(False, reason, _detail(text) or f"sbatch exited {returncode}")
 
 
 # ----------------------------------------------------------------------------- running
@@ -321,8 +314,13 @@ Runner = Callable[[Sequence[str], float], tuple[str, str, int]]
 
 
 def subprocess_runner(cmd: Sequence[str], timeout_s: float) -> tuple[str, str, int]:
-    """Run a command; raises FileNotFoundError / subprocess.TimeoutExpired as subprocess does."""
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout_s)
+    """Run a Slurm command; raises FileNotFoundError / TimeoutExpired as subprocess does.
+
+    The command prints ISO times (``SLURM_TIME_FORMAT=standard``) whatever the caller set.
+    """
+    proc = subprocess.run(
+        list(cmd), capture_output=True, text=True, timeout=timeout_s, env=slurm_client_env()
+    )
     return proc.stdout, proc.stderr, proc.returncode
 
 

@@ -16,13 +16,15 @@ default (1.0, no discount) is returned and marked as such.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import re
 import statistics
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, tzinfo
 from pathlib import Path
 
 import pandas as pd
@@ -35,8 +37,15 @@ _DURATION = re.compile(
 )
 
 
+log = logging.getLogger(__name__)
+
+
 class SlurmDurationError(ValueError):
     """A Slurm duration string that cannot be parsed."""
+
+
+class SlurmTimeError(ValueError):
+    """A Slurm timestamp in no format crossfed can read."""
 
 
 class SacctParseError(ValueError):
@@ -95,6 +104,101 @@ def format_slurm_duration(seconds: float) -> str:
     return f"{days}-{hms}" if days else hms
 
 
+# ----------------------------------------------------------------------------- timestamps
+
+# Slurm prints times with slurm_make_time_str (src/common/parse_time.c): "standard" is
+# %FT%T; "relative" picks by the distance from today: %H:%M:%S today, "Tomorr %H:%M",
+# "Ystday %H:%M", "%a %H:%M" 2-6 days ahead, "%-d %b %H:%M" within a year, "%-d %b %Y"
+# beyond; anything else with a '%' is a strftime format of the site's or user's choosing.
+SLURM_TIME_ENV = {"SLURM_TIME_FORMAT": "standard"}
+_NO_TIME = {"", "UNKNOWN", "NONE", "N/A"}
+_WEEKDAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_HMS = re.compile(r"^(\d{1,2}):(\d\d):(\d\d)$")
+_DAY_HM = re.compile(r"^(Tomorr|Ystday|Mon|Tue|Wed|Thu|Fri|Sat|Sun) (\d{1,2}):(\d\d)$")
+_DATE_HM = re.compile(rf"^(\d{{1,2}}) ({'|'.join(_MONTHS)}) (\d{{1,2}}):(\d\d)$")
+_DATE_Y = re.compile(rf"^(\d{{1,2}}) ({'|'.join(_MONTHS)}) (\d{{4}})$")
+_EPOCH = re.compile(r"^\d{9,11}$")
+
+
+def slurm_client_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a Slurm client command: ``base`` with standard (ISO) times."""
+    return {**(os.environ if base is None else base), **SLURM_TIME_ENV}
+
+
+def _near_year(month: int, day: int, today: datetime) -> int:
+    """The year that puts ``month``/``day`` closest to ``today`` (relative dates omit it)."""
+    years = []
+    for y in (today.year - 1, today.year, today.year + 1):
+        try:
+            years.append((abs((datetime(y, month, day) - today.replace(tzinfo=None)).days), y))
+        except ValueError:  # 29 Feb
+            continue
+    if not years:
+        raise SlurmTimeError(f"no year has {day} {_MONTHS[month - 1]}")
+    return min(years)[1]
+
+
+def parse_slurm_time(text: str, now: datetime, *, tz: tzinfo | None = None) -> datetime | None:
+    """A Slurm timestamp in any ``SLURM_TIME_FORMAT`` crossfed can read; None if unset.
+
+    Reads ISO (``standard`` and ``%F %T``), every ``relative`` form (resolved against
+    ``now``, the moment the command ran) and ``%s`` epoch seconds. Naive ``now`` gives
+    naive results; an aware ``now`` gives times in ``tz`` (default: ``now``'s zone), the
+    cluster's local time. Anything else raises SlurmTimeError with the text.
+    """
+    s = text.strip()
+    if s.upper() in _NO_TIME:
+        return None
+    zone = (tz or now.tzinfo) if now.tzinfo is not None else None
+    local = now.astimezone(zone) if zone is not None else now
+
+    def at(day: datetime, h: int, mi: int, sec: int = 0) -> datetime:
+        return day.replace(hour=h, minute=mi, second=sec, microsecond=0)
+
+    try:
+        if _EPOCH.match(s):
+            when = datetime.fromtimestamp(int(s), tz=zone)
+            return when
+        try:
+            when = datetime.fromisoformat(s)
+        except ValueError:
+            pass
+        else:
+            if when.tzinfo is None:
+                return when.replace(tzinfo=zone)
+            return (
+                when.astimezone(zone)
+                if zone is not None
+                else when.astimezone().replace(tzinfo=None)
+            )
+        if m := _HMS.match(s):
+            return at(local, int(m[1]), int(m[2]), int(m[3]))
+        if m := _DAY_HM.match(s):
+            word, h, mi = m[1], int(m[2]), int(m[3])
+            if word == "Tomorr":
+                offset = 1
+            elif word == "Ystday":
+                offset = -1
+            else:  # the weekday 2 to 6 days ahead
+                offset = next(
+                    d for d in range(2, 7) if _WEEKDAYS[(local.weekday() + d) % 7] == word
+                )
+            return at(local + timedelta(days=offset), h, mi)
+        if m := _DATE_HM.match(s):
+            month, day = _MONTHS.index(m[2]) + 1, int(m[1])
+            year = _near_year(month, day, local)
+            return at(local.replace(year=year, month=month, day=day), int(m[3]), int(m[4]))
+        if m := _DATE_Y.match(s):
+            month, day = _MONTHS.index(m[2]) + 1, int(m[1])
+            return at(local.replace(year=int(m[3]), month=month, day=day), 0, 0)
+    except (ValueError, OverflowError, OSError) as exc:
+        raise SlurmTimeError(f"not a Slurm timestamp: {text!r} ({exc})") from exc
+    raise SlurmTimeError(
+        f"not a Slurm timestamp: {text!r} (SLURM_TIME_FORMAT other than standard/relative?)"
+    )
+
+
 @dataclass(frozen=True)
 class SacctRecord:
     """One allocation line of ``sacct -X -P``."""
@@ -106,6 +210,7 @@ class SacctRecord:
     start: datetime | None
     end: datetime | None
     alloc_tres: dict[str, str] = field(default_factory=dict)
+    unparsed: tuple[str, ...] = ()  # "Start='Ma 14:05'": timestamps in no known format
 
     @property
     def gpus(self) -> int:
@@ -115,16 +220,6 @@ class SacctRecord:
             return int(raw)
         except ValueError:
             return 0
-
-
-def _parse_time(text: str) -> datetime | None:
-    s = text.strip()
-    if not s or s in {"Unknown", "None", "N/A"}:
-        return None
-    try:
-        return datetime.fromisoformat(s)
-    except ValueError as exc:
-        raise SacctParseError(f"bad timestamp {s!r}") from exc
 
 
 def _parse_tres(text: str) -> dict[str, str]:
@@ -141,13 +236,17 @@ def _duration_or(text: str, empty: float | None) -> float | None:
     return parse_slurm_duration(text) if text.strip() else empty
 
 
-def parse_sacct(text: str) -> list[SacctRecord]:
+def parse_sacct(text: str, now: datetime | None = None) -> list[SacctRecord]:
     """Parse ``sacct -X -P -n -o JobID,Elapsed,Timelimit,State,Start,End,AllocTRES`` output.
 
     A row with an empty Elapsed or Timelimit (a pending job, or one that ended seconds ago:
     slurmdbd fills those fields in a little later) is kept with elapsed 0 and no limit, so
-    the walltime discount skips it instead of the whole capture failing.
+    the walltime discount skips it instead of the whole capture failing. Start and End may
+    be in any ``SLURM_TIME_FORMAT`` that ``parse_slurm_time`` reads, ``relative`` ones
+    resolved against ``now`` (when sacct ran; default: the clock); one in no known format
+    leaves that time unset and its raw text in ``unparsed``, so the discount skips the row.
     """
+    ref = now if now is not None else datetime.now()
     records: list[SacctRecord] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -165,15 +264,26 @@ def parse_sacct(text: str) -> list[SacctRecord]:
             limit = _duration_or(cols[2], None)
         except SlurmDurationError as exc:
             raise SacctParseError(f"sacct line {lineno}: {exc}") from exc
+        times: dict[str, datetime | None] = {}
+        unparsed: list[str] = []
+        for name, raw in (("Start", cols[4]), ("End", cols[5])):
+            try:
+                times[name] = parse_slurm_time(raw, ref)
+            except SlurmTimeError:
+                times[name] = None
+                unparsed.append(f"{name}={raw.strip()!r}")
+        if unparsed:
+            log.warning("sacct line %d: unreadable %s; row skipped", lineno, ", ".join(unparsed))
         records.append(
             SacctRecord(
                 job_id=cols[0].strip(),
                 elapsed_s=elapsed,
                 timelimit_s=limit,
                 state=cols[3].strip(),
-                start=_parse_time(cols[4]),
-                end=_parse_time(cols[5]),
+                start=times["Start"],
+                end=times["End"],
                 alloc_tres=_parse_tres(cols[6]),
+                unparsed=tuple(unparsed),
             )
         )
     return records
@@ -186,6 +296,7 @@ class Discount:
     gamma: float
     jobs: int
     method: str  # "ratio", "median" or "default"
+    unparsed: int = 0  # rows skipped for timestamps in no known format
 
 
 def _comparable(a: datetime, b: datetime) -> tuple[datetime, datetime]:
@@ -208,6 +319,7 @@ def walltime_discount(
     if method not in {"ratio", "median"}:
         raise ValueError(f"unknown gamma method {method!r} (use 'ratio' or 'median')")
     used: list[tuple[float, float]] = []
+    unparsed = sum(1 for r in records if r.unparsed)
     for r in records:
         state = r.state.split()[0].upper() if r.state else ""
         if state in _UNFINISHED or r.end is None or r.start is None:
@@ -219,22 +331,25 @@ def walltime_discount(
             continue
         used.append((min(r.elapsed_s, r.timelimit_s), r.timelimit_s))
     if len(used) < min_jobs:
-        return Discount(gamma=default, jobs=len(used), method="default")
+        return Discount(gamma=default, jobs=len(used), method="default", unparsed=unparsed)
     if method == "ratio":
         g = sum(e for e, _ in used) / sum(t for _, t in used)
     else:
         g = statistics.median(e / t for e, t in used)
-    return Discount(gamma=min(1.0, max(floor, g)), jobs=len(used), method=method)
+    g = min(1.0, max(floor, g))
+    return Discount(gamma=g, jobs=len(used), method=method, unparsed=unparsed)
 
 
 def run_sacct(
     start: datetime, *, sacct: str = "sacct", timeout_s: float = 60.0, extra: tuple[str, ...] = ()
 ) -> str:
-    """Run sacct for allocations since ``start`` and return its raw text."""
+    """Run sacct for allocations since ``start`` and return its raw text (ISO times)."""
     cmd = [sacct, "-X", "-P", "-n", "-o", ",".join(SACCT_FIELDS), "-S"]
     cmd += [start.strftime("%Y-%m-%dT%H:%M:%S"), *extra]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, env=slurm_client_env()
+        )
     except FileNotFoundError as exc:
         raise SacctUnavailableError(f"sacct not found: {sacct}") from exc
     except subprocess.TimeoutExpired as exc:
