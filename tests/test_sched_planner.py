@@ -456,3 +456,94 @@ def test_sites_free_together_split_in_proportion_to_throughput(raw, units) -> No
     for n, sp in plan.sites.items():
         assert sp.submit and sp.predicted_start_s == 0
         assert sp.units == pytest.approx(units * thr[n] / total, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- probe advice
+
+REFUSED = [
+    (ProbeReason.TIME_LIMIT, "shorten_walltime"),
+    (ProbeReason.NODE_COUNT, "resize_nodes"),
+    (ProbeReason.NODE_CONFIG, "reshape"),
+    (ProbeReason.SHAPE, "reshape"),
+    (ProbeReason.PARTITION, "fix_access"),
+    (ProbeReason.ACCOUNT, "fix_access"),
+    (ProbeReason.WAIT, "wait"),
+    (ProbeReason.POLICY, "check"),
+    (ProbeReason.UNAVAILABLE, "check"),
+    (ProbeReason.UNPARSED, "check"),
+]
+
+
+def _two_shapes():
+    """A site whose wide shape beats its narrow one whenever the wide one may run."""
+    wide, narrow = shape("wide", nodes=4, gpn=4), shape("narrow", nodes=1, gpn=1)
+    return slurm_site("a", [wide, narrow], qos=4), wide, narrow
+
+
+@pytest.mark.parametrize(("reason", "advice"), REFUSED)
+def test_a_refused_shape_is_skipped_with_its_advice(reason: ProbeReason, advice: str) -> None:
+    a, wide, narrow = _two_shapes()
+    pr = probes(
+        ("a", wide, ok(0.0), 600),  # an older estimate the refusal overrides
+        ("a", wide, ProbeResult(False, reason, "x"), 60),
+        ("a", narrow, ok(0.0), 60),
+    )
+    plan = make_plan({"a": a}, pr, params(1e6), NOW)
+    sp = plan.sites["a"]
+    assert sp.submit and sp.shape == "narrow"
+    assert sp.advice == {"wide": advice}
+    assert f"wide: {reason} ({advice})" in sp.reason
+
+
+@pytest.mark.parametrize("reason", [ProbeReason.TRY_LATER, ProbeReason.TIMEOUT])
+def test_try_later_keeps_the_newest_informative_probe(reason: ProbeReason) -> None:
+    a, wide, narrow = _two_shapes()
+    pr = probes(
+        ("a", wide, ok(0.0), 600),
+        ("a", wide, ProbeResult(False, reason, "x"), 60),
+        ("a", narrow, ok(0.0), 60),
+    )
+    sp = make_plan({"a": a}, pr, params(1e6), NOW).sites["a"]
+    assert sp.submit and sp.shape == "wide" and sp.advice == {}
+    assert f"wide: {reason}, read the probe of 600s ago" in sp.reason
+
+
+def test_try_later_falls_back_to_an_older_refusal_too() -> None:
+    a, wide, narrow = _two_shapes()
+    pr = probes(
+        ("a", wide, ProbeResult(False, ProbeReason.WAIT, "x"), 600),
+        ("a", wide, ProbeResult(False, ProbeReason.TRY_LATER, "x"), 60),
+        ("a", narrow, ok(0.0), 60),
+    )
+    sp = make_plan({"a": a}, pr, params(1e6), NOW).sites["a"]
+    assert sp.shape == "narrow" and sp.advice == {"wide": "wait"}
+
+
+def test_try_later_alone_skips_the_site_and_says_so() -> None:
+    a = slurm_site("a", [shape()])
+    b = slurm_site("b", [shape()])
+    pr = probes(
+        ("a", a.shapes[0], ProbeResult(False, ProbeReason.TRY_LATER, "x"), 0),
+        ("b", b.shapes[0], ok(0.0), 0),
+    )
+    plan = make_plan({"a": a, "b": b}, pr, params(1e6), NOW)
+    assert not plan.sites["a"].submit and plan.sites["a"].reason == "probe_failed: s: try_later"
+    assert plan.sites["a"].advice == {"s": "try_later"} and plan.sites["b"].submit
+
+
+def test_an_older_try_later_does_not_hide_a_newer_estimate() -> None:
+    a = slurm_site("a", [shape()])
+    pr = probes(
+        ("a", a.shapes[0], ProbeResult(False, ProbeReason.TRY_LATER, "x"), 600),
+        ("a", a.shapes[0], ok(2 * H), 60),
+    )
+    sp = make_plan({"a": a}, pr, params(1e6), NOW).sites["a"]
+    assert sp.submit and sp.wait_s == 2 * H and sp.advice == {}
+
+
+def test_infeasible_plan_keeps_the_advice_and_plans_round_trip() -> None:
+    a = slurm_site("a", [shape()])
+    pr = probes(("a", a.shapes[0], ProbeResult(False, ProbeReason.SHAPE, "x"), 0))
+    plan = make_plan({"a": a}, pr, params(1e6), NOW)
+    assert plan.mode == "infeasible" and plan.sites["a"].advice == {"s": "reshape"}
+    assert Plan.from_dict(json.loads(plan.to_json())).sites["a"].advice == {"s": "reshape"}

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
+import re
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from crossfed.sched.sacct import (
     JobLogError,
     SacctParseError,
     SlurmDurationError,
+    SlurmTimeError,
     format_slurm_duration,
     load_job_log,
     parse_sacct,
     parse_slurm_duration,
+    parse_slurm_time,
     per_gpu_rates,
     walltime_discount,
 )
@@ -150,3 +155,73 @@ def test_load_job_log_errors(tmp_path) -> None:
     (tmp_path / "nan.csv").write_text("site,tokens,seconds,gpus\na,lots,1,1\n")
     with pytest.raises(JobLogError, match="tokens"):
         load_job_log(tmp_path / "nan.csv")
+
+
+# ----------------------------------------------------------------------------- SLURM_TIME_FORMAT
+
+SLURM_DATA = yaml.safe_load(
+    (Path(__file__).parent / "data" / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text()
+)
+
+
+@pytest.mark.parametrize("case", SLURM_DATA["times"], ids=lambda c: c["text"])
+def test_slurm_times_in_every_time_format(case: dict) -> None:
+    got = parse_slurm_time(case["text"], datetime.fromisoformat(case["now"]))
+    want = datetime.fromisoformat(case["expect"]) if case["expect"] else None
+    assert got == want
+    if got is not None:
+        assert (got.tzinfo is None) == (want.tzinfo is None)
+
+
+@pytest.mark.parametrize("case", SLURM_DATA["unreadable_times"], ids=lambda c: c["text"])
+def test_unreadable_times_raise_naming_the_text(case: dict) -> None:
+    with pytest.raises(SlurmTimeError, match=re.escape(repr(case["text"]))):
+        parse_slurm_time(case["text"], NOW)
+
+
+def test_relative_times_resolve_in_the_cluster_zone() -> None:
+    cet = timezone(timedelta(hours=1))
+    now = datetime(2026, 12, 1, 23, 30, tzinfo=UTC)  # already 2 December in CET
+    assert parse_slurm_time("Tomorr 01:00", now, tz=cet) == datetime(2026, 12, 3, 1, 0, tzinfo=cet)
+
+
+@pytest.mark.parametrize("case", SLURM_DATA["durations"], ids=lambda c: c["text"])
+def test_sacct_durations_of_every_version(case: dict) -> None:
+    assert parse_slurm_duration(case["text"]) == case["seconds"]
+
+
+SACCT_RELATIVE = """\
+201|04:00:00|08:00:00|COMPLETED|Ystday 06:00|Ystday 10:00|cpu=32,gres/gpu=4,node=1
+202|02:00:00|08:00:00|COMPLETED|06:00:00|08:00:00|cpu=32,gres/gpu=4,node=1
+203|1-00:00:00|2-00:00:00|TIMEOUT|25 Nov 10:00|26 Nov 10:00|cpu=64,node=2
+204|00:30:00|UNLIMITED|RUNNING|11:30:00|Unknown|cpu=1,node=1
+205|01:00:00|Partition_Limit|COMPLETED|26 Nov 01:00|26 Nov 02:00|cpu=1,node=1
+"""
+
+
+def test_sacct_in_relative_format_gives_the_same_gamma_as_iso() -> None:
+    iso = "\n".join(
+        [
+            "201|04:00:00|08:00:00|COMPLETED|2026-11-28T06:00:00|2026-11-28T10:00:00|",
+            "202|02:00:00|08:00:00|COMPLETED|2026-11-29T06:00:00|2026-11-29T08:00:00|",
+            "203|1-00:00:00|2-00:00:00|TIMEOUT|2026-11-25T10:00:00|2026-11-26T10:00:00|",
+            "204|00:30:00|UNLIMITED|RUNNING|2026-11-29T11:30:00|Unknown|",
+            "205|01:00:00|Partition_Limit|COMPLETED|2026-11-26T01:00:00|2026-11-26T02:00:00|",
+        ]
+    )
+    rel = parse_sacct(SACCT_RELATIVE, now=NOW)
+    assert [r.end for r in rel] == [r.end for r in parse_sacct(iso)]
+    assert rel[4].timelimit_s is None and rel[3].end is None
+    d = walltime_discount(rel, NOW)
+    assert d == walltime_discount(parse_sacct(iso), NOW)
+    assert d.jobs == 3 and d.gamma == pytest.approx((4 + 2 + 24) / (8 + 8 + 48))
+
+
+def test_sacct_times_in_an_unknown_format_skip_the_row_not_the_capture() -> None:
+    text = SACCT.replace("2026-11-20T04:00:00", "20.11.2026 04:00")
+    recs = parse_sacct(text)
+    assert len(recs) == 8 and recs[0].end is None
+    assert recs[0].unparsed == ("End='20.11.2026 04:00'",) and recs[1].unparsed == ()
+    d = walltime_discount(recs, NOW)
+    assert d.unparsed == 1 and d.jobs == 3  # 101 is left out, the other three count
+    assert d.gamma == pytest.approx((8 + 2 + 24) / (8 + 8 + 48))

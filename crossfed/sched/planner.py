@@ -13,6 +13,12 @@ first, re-solving each time, never the last productive lane); the trailing job o
 chain may carry less. The reserve rho pads the last job of every chain (never beyond the
 walltime cap) so a site can keep training if others start later than predicted.
 
+A refused probe skips its shape, and the site's ``advice`` says what to change
+(``slurm_messages.Advice``: shorten the walltime, resize the node count, reshape, fix the
+account/partition, wait). A ``try_later`` probe (controller or database unreachable,
+rate limited, sbatch timed out) says nothing about the queue: the shape's newest
+informative probe decides instead, so a transient failure does not drop a fresh estimate.
+
 Running and queued jobs are fixed input (their throughput counts, they are never
 re-planned), so recomputing the plan every Delta folds in new capacity without disturbing
 them. All times inside are seconds from ``now``; the plan also carries ISO timestamps.
@@ -32,6 +38,7 @@ from typing import Any
 import pandas as pd
 
 from crossfed.sched.probe import LOCAL_DETAIL, SiteConfig, as_aware
+from crossfed.sched.slurm_messages import Advice, advice_for
 
 EPS = 1e-9
 MAX_ROUND_ENDS = 1000
@@ -229,6 +236,7 @@ class SitePlan:
     predicted_start: str | None = None
     predicted_finish: str | None = None
     lane_plans: list[LanePlan] = field(default_factory=list)
+    advice: dict[str, str] = field(default_factory=dict)  # shape -> Advice of its probe
 
     def planned_jobs(self) -> list[PlannedJob]:
         """Every job of every lane, in lane order."""
@@ -324,6 +332,34 @@ def _newest(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     return min(rows, key=lambda r: (r["age_s"], -r["seq"]))
 
 
+def _deciding(rows: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], str]:
+    """The row that decides a shape and a note when it is not the newest one.
+
+    A ``try_later`` probe (controller, database or rate limit trouble, sbatch timeout)
+    says nothing about the queue, so the newest probe that does says it instead.
+    """
+    row = _newest(rows)
+    if advice_for(str(row["reason"])) is not Advice.TRY_LATER:
+        return row, ""
+    known = [r for r in rows if advice_for(str(r["reason"])) is not Advice.TRY_LATER]
+    if not known:
+        return row, ""
+    older = _newest(known)
+    return older, f"{row['reason']}, read the probe of {older['age_s']:.0f}s ago"
+
+
+def shape_advice(site: SiteConfig, rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Shape -> advice for every probed shape whose deciding probe is not usable."""
+    out: dict[str, str] = {}
+    for shape in site.shapes if site.has_scheduler else ():
+        srows = [r for r in rows if r["shape"] == shape.name]
+        if srows:
+            advice = advice_for(str(_deciding(srows)[0]["reason"]))
+            if advice is not Advice.USE:
+                out[shape.name] = str(advice)
+    return out
+
+
 def site_candidates(
     site: SiteConfig,
     rows: Sequence[Mapping[str, Any]],
@@ -359,9 +395,11 @@ def site_candidates(
         if not srows:
             skipped.append(f"{shape.name}: no_probe")
             continue
-        row = _newest(srows)
+        row, note = _deciding(srows)
+        if note:
+            skipped.append(f"{shape.name}: {note}")
         if not row["ok"]:
-            skipped.append(f"{shape.name}: {row['reason']}")
+            skipped.append(f"{shape.name}: {row['reason']} ({advice_for(str(row['reason']))})")
             continue
         if row["age_s"] > max_probe_age_s:
             skipped.append(f"{shape.name}: stale_probe")
@@ -393,7 +431,7 @@ def site_candidates(
 
 def _failures(rows: Sequence[Mapping[str, Any]]) -> str:
     shapes = sorted({str(r["shape"]) for r in rows})
-    newest = {sh: _newest([r for r in rows if r["shape"] == sh]) for sh in shapes}
+    newest = {sh: _deciding([r for r in rows if r["shape"] == sh])[0] for sh in shapes}
     return "; ".join(f"{sh or '-'}: {r['reason']}" for sh, r in newest.items())
 
 
@@ -600,6 +638,7 @@ def make_plan(
             rate_per_gpu=rate[name],
             max_probe_age_s=params.max_probe_age_s,
         )
+    advice = {name: shape_advice(cfg, by_site.get(name, [])) for name, cfg in sites.items()}
     fixed_jobs = _fixed_jobs(fixed, sites, cands, rate, now)
     model = _Model(fixed_jobs, params.tokens_per_unit, units)
 
@@ -612,7 +651,7 @@ def make_plan(
     t_fin = finish_time(segments, units)
     if not math.isfinite(t_fin):
         reasons = {s: notes[s] or "no capacity" for s in sites}
-        return _empty_plan(params, now, sites, "infeasible", reasons)
+        return _empty_plan(params, now, sites, "infeasible", reasons, advice)
 
     lanes = model.lanes(choice, counts)
     site_plans: dict[str, SitePlan] = {}
@@ -677,6 +716,8 @@ def make_plan(
     )
     for name, a in acc.items():
         site_plans[name].accumulation = a
+    for name, sp in site_plans.items():
+        sp.advice = advice[name]
     for sp in site_plans.values():
         if sp.predicted_start_s is not None:
             sp.predicted_start = _iso(now, sp.predicted_start_s)
@@ -723,8 +764,10 @@ def _empty_plan(
     sites: Mapping[str, SiteConfig],
     mode: str,
     reason: str | Mapping[str, str],
+    advice: Mapping[str, dict[str, str]] | None = None,
 ) -> Plan:
     reasons = reason if isinstance(reason, Mapping) else dict.fromkeys(sites, reason)
+    advice = advice or {}
     return Plan(
         created_at=as_aware(now).isoformat(),
         mode=mode,
@@ -737,7 +780,7 @@ def _empty_plan(
         predicted_finish_s=None,
         predicted_finish=None,
         round_ends_s=[],
-        sites={s: SitePlan(s, False, reasons[s]) for s in sites},
+        sites={s: SitePlan(s, False, reasons[s], advice=advice.get(s, {})) for s in sites},
     )
 
 
@@ -758,6 +801,7 @@ __all__ = [
     "make_plan",
     "read_plan",
     "probe_rows_by_site",
+    "shape_advice",
     "site_candidates",
     "write_plan",
 ]
