@@ -10,7 +10,6 @@ rule checkpoint:
     log:
         f"{LOGS}/checkpoint/{{round}}.log",
     params:
-        crossfed=CROSSFED,
         config=CONFIG,
     threads: 1
     conda:
@@ -20,6 +19,6 @@ rule checkpoint:
     envmodules:
         *MODULES,
     shell:
-        "{params.crossfed} --log {log} checkpoint --config {params.config}"
+        "{CROSSFED_JOB} --log {log} checkpoint --config {params.config}"
         " --generation {wildcards.round} --model-out {input.model}"
         " --out {output.evaluation} --threads {threads}"

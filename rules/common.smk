@@ -3,11 +3,15 @@
 # No training or ledger logic lives here; the rules call the `crossfed` CLI.
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import yaml
-from crossfed.chain import planned_job
+from crossfed.chain import chain_continues, planned_job
 from crossfed.config import ConfigError, check_run, load_sites, validate
+from crossfed.resume import check_rerun
+from snakemake.settings.types import DeploymentMethod
 
 config.update(validate(dict(config), "config.schema.yaml", "workflow config"))
 RESULTS = config["results"]
@@ -17,7 +21,8 @@ SITE_CONFIG = load_sites(config)
 check_run(config, SITE_CONFIG)  # the model flavour; 'here' names sites of the run
 SITES = list(SITE_CONFIG)
 ROUNDS = list(range(1, config["rounds"] + 1))
-CROSSFED = "crossfed"
+# a rerun may add rounds; a change that would alter the finished ones is refused here
+check_rerun(config, SITE_CONFIG)
 
 # The sites whose jobs this workflow submits: every site of the run (local profile, one
 # login node driving a test cluster), or only the site whose login node this is.
@@ -33,14 +38,40 @@ CONTAINER = config["software"]["container"]
 MODULES = config["software"]["modules"]
 CONDA_ENV = "../workflow/envs/crossfed.yaml"
 
-# the effective config (after --config overrides) for the CLI; rewritten only when it changes
+# How the rules and hooks call crossfed, whatever PATH says (the shell commands name these
+# globals, not params, so a venv at another path does not make finished jobs look changed).
+# On the host (hooks, login-node rules, Slurm jobs without a container, env-modules jobs,
+# which load the modules first) it is the crossfed of the Python running Snakemake: a Slurm
+# job re-runs `<that python> -m snakemake` from the shared filesystem, so the path holds on
+# the compute node too. Inside a job's Apptainer image or conda environment it is that
+# environment's own crossfed (the host's venv is not there, or has the wrong torch).
+_DEPLOY = workflow.deployment_settings.deployment_method
+_IN_CONDA = DeploymentMethod.CONDA in _DEPLOY
+PYTHON_HOST = shlex.quote(sys.executable)
+CROSSFED_HOST = f"{PYTHON_HOST} -m crossfed"  # the hooks: never deployed
+PYTHON = "python" if _IN_CONDA else PYTHON_HOST  # rules without a container directive
+CROSSFED = f"{PYTHON} -m crossfed"
+# rules with `container: CONTAINER` (data preparation, training, evaluation)
+CROSSFED_JOB = (
+    "crossfed" if _IN_CONDA or (DeploymentMethod.APPTAINER in _DEPLOY and CONTAINER) else CROSSFED
+)
+
+# The effective config (after --config overrides) that the CLI reads. Only the onstart hook
+# writes it, so only a real run's main process does: a dry run (-n), --lint, --report and
+# the Slurm jobs' own parses of the workflow leave the file that running jobs read alone.
 CONFIG = f"{RESULTS}/.crossfed/config.yaml"
-_resolved = yaml.safe_dump(dict(config), sort_keys=True)
-if not os.path.exists(CONFIG) or open(CONFIG).read() != _resolved:
-    os.makedirs(os.path.dirname(CONFIG), exist_ok=True)
-    with open(f"{CONFIG}.tmp", "w") as _handle:
-        _handle.write(_resolved)
-    os.replace(f"{CONFIG}.tmp", CONFIG)
+
+
+def write_config():
+    """Write the effective config to CONFIG (atomically, and only when it changed)."""
+    resolved = yaml.safe_dump(dict(config), sort_keys=True)
+    path = Path(CONFIG)
+    if path.exists() and path.read_text() == resolved:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(resolved)
+    os.replace(tmp, path)
 
 
 wildcard_constraints:
@@ -80,14 +111,6 @@ def previous_round(wildcards):
     return f"{RESULTS}/rounds/{int(wildcards.round) - 1}/merge.json"
 
 
-def tokens_per_round():
-    """H * seq_len * sum over sites of B*W*A: the tokens one outer round consumes."""
-    windows = sum(
-        s["micro_batch"] * s["ranks"] * s["accumulation"] for s in SITE_CONFIG.values()
-    )
-    return config["inner"]["steps"] * config["data"]["seq_len"] * windows
-
-
 def probe_only():
     """`--site` flags limiting probes to the sites this workflow submits for."""
     return " ".join(f"--site {s}" for s in HERE) if config["here"] else ""
@@ -105,7 +128,7 @@ def rounds_done(wildcards, input):
     """Rounds the coordinator had closed when the previous job of the chain ended."""
     seen = json.loads(open(input.previous).read())
     current = seen.get("next_round") or seen.get("round") or 1
-    return max(0, min(int(current) - 1, config["rounds"]))
+    return max(0, int(current) - 1)
 
 
 def job_shape(input, wildcards):
@@ -115,23 +138,29 @@ def job_shape(input, wildcards):
 
 
 def chain_last(wildcards):
-    """The last job of a site's chain: the DAG grows one chain job at a time (checkpoints)."""
+    """The last job of a site's chain: the DAG grows one chain job at a time (checkpoints).
+
+    A chain that completed a shorter run goes on when the run has been extended.
+    """
     for job in range(1, config["chain"]["max_jobs"] + 1):
         outcome = checkpoints.train_job.get(site=wildcards.site, job=job).output.outcome
-        if not json.loads(open(outcome).read())["next_job"]:
+        if not chain_continues(json.loads(open(outcome).read()), config["rounds"]):
             return outcome
     raise ConfigError(f"site {wildcards.site}: chain reached chain.max_jobs jobs")
 
 
 onstart:
-    shell(f"{CROSSFED} coordinator start --config {CONFIG}")
+    write_config()
+    shell(f"{CROSSFED_HOST} coordinator start --config {CONFIG}")
+    # a run extended with more rounds: the coordinator lengthens its LR schedule
+    shell(f"{CROSSFED_HOST} run init --config {CONFIG} --resume-only")
 
 
 onsuccess:
-    shell(f"{CROSSFED} coordinator stop --config {CONFIG}")
+    shell(f"{CROSSFED_HOST} coordinator stop --config {CONFIG}")
     print(f"crossfed: run finished; metrics in {RESULTS}/metrics/final.json, "
           "HTML report: snakemake --profile <profile> --report report.html")
 
 
 onerror:
-    shell(f"{CROSSFED} coordinator stop --config {CONFIG}")
+    shell(f"{CROSSFED_HOST} coordinator stop --config {CONFIG}")

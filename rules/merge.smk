@@ -7,17 +7,19 @@ rule merge:
     input:
         plan=rules.plan.output.plan,
     output:
-        merge=f"{RESULTS}/rounds/{{round}}/merge.json",
-        model=f"{RESULTS}/checkpoints/global-{{round}}.safetensors",
+        # protected (write-protected; Snakemake refuses to delete them to redo a round, for
+        # any user but root); the model also stays in results/.crossfed/models, no rule's
+        # output, since the coordinator keeps only its last few generations
+        merge=protected(f"{RESULTS}/rounds/{{round}}/merge.json"),
+        model=protected(f"{RESULTS}/checkpoints/global-{{round}}.safetensors"),
     log:
         f"{LOGS}/merge/{{round}}.log",
     wildcard_constraints:
         round=r"[1-9]\d*",
     params:
-        crossfed=CROSSFED,
         config=CONFIG,
     conda:
         CONDA_ENV
     shell:
-        "{params.crossfed} --log {log} round wait --config {params.config}"
+        "{CROSSFED} --log {log} round wait --config {params.config}"
         " --round {wildcards.round} --out {output.merge} --model-out {output.model}"

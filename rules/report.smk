@@ -29,9 +29,8 @@ rule report:
     log:
         f"{LOGS}/report.log",
     params:
-        crossfed=CROSSFED,
         config=CONFIG,
     conda:
         CONDA_ENV
     shell:
-        "{params.crossfed} --log {log} report --config {params.config}"
+        "{CROSSFED} --log {log} report --config {params.config}"

@@ -20,7 +20,6 @@ rule train:
     wildcard_constraints:
         site=alternatives(LOCAL_SITES),
     params:
-        crossfed=CROSSFED,
         config=CONFIG,
     threads: 1
     retries: 2
@@ -31,7 +30,7 @@ rule train:
     envmodules:
         *MODULES,
     shell:
-        "{params.crossfed} --log {log} site run --config {params.config} --site {wildcards.site}"
+        "{CROSSFED_JOB} --log {log} site run --config {params.config} --site {wildcards.site}"
         " --round {wildcards.round} --plan {input.plan} --threads {threads}"
         " --out {output.outcome}"
 
@@ -47,9 +46,7 @@ checkpoint train_job:
     wildcard_constraints:
         site=alternatives(SLURM_SITES),
     params:
-        crossfed=CROSSFED,
         config=CONFIG,
-        through=config["rounds"],
     threads: 1
     retries: 3
     resources:
@@ -74,8 +71,8 @@ checkpoint train_job:
     envmodules:
         *MODULES,
     shell:
-        "{params.crossfed} --log {log} site run --config {params.config} --site {wildcards.site}"
-        " --through-round {params.through} --until-walltime auto --plan {input.plan}"
+        "{CROSSFED_JOB} --log {log} site run --config {params.config} --site {wildcards.site}"
+        " --through-round run --until-walltime auto --plan {input.plan}"
         " --threads {threads} --out {output.outcome}"
 
 
