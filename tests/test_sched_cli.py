@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import stat
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -167,6 +169,63 @@ def test_plan_with_sacct_jobs_and_job_log(site_dir: Path) -> None:
     assert plan.sites["lumi"].gamma == 1.0
     assert plan.sites["lumi"].tokens_per_s == pytest.approx(10000 * 8)  # history, not prior
     assert plan.sites["snellius"].fixed_units > 0
+
+
+def test_plan_reads_sacct_captured_in_relative_time_format(site_dir: Path, capsys) -> None:
+    d = site_dir
+    run(["probe", "--sites", str(d / "sites.yaml"), "--out", str(d / "probe.csv"),
+         "--now", "2026-11-29T16:00:00", "--sbatch", str(d / "sbatch")])  # fmt: skip
+    # SLURM_TIME_FORMAT=relative, captured on 29 November (the file's mtime): "Ystday" is
+    # the 28th, "HH:MM:SS" the 29th, whatever day the plan runs on
+    ystday = "|04:00:00|08:00:00|COMPLETED|Ystday 00:00|Ystday 04:00|gres/gpu=4"
+    today = "|02:00:00|08:00:00|COMPLETED|10:00:00|12:00:00|gres/gpu=4"
+    rows = [f"{i}{ystday}" for i in range(3)] + [f"1{i}{today}" for i in range(3)]
+    rows.append("9|08:00:00|08:00:00|TIMEOUT|28.11. 00:00|28.11. 08:00|gres/gpu=4")
+    sacct = d / "sacct.txt"
+    sacct.write_text("\n".join(rows) + "\n")
+    captured = datetime(2026, 11, 29, 16, 5).timestamp()
+    os.utime(sacct, (captured, captured))
+    rc = run(
+        [
+            "plan",
+            "--sites", str(d / "sites.yaml"),
+            "--probes", str(d / "probe.csv"),
+            "--out", str(d / "plan.json"),
+            "--now", "2026-11-29T16:10:00",
+            "--max-probe-age-s", "1e7",
+            "--sacct-history", f"snellius={sacct}",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    assert read_plan(d / "plan.json").sites["snellius"].gamma == pytest.approx(0.375)
+    # planned two weeks later, a 16-day window holds the 29th's jobs but not the 28th's
+    rc = run(
+        [
+            "plan",
+            "--sites", str(d / "sites.yaml"),
+            "--probes", str(d / "probe.csv"),
+            "--out", str(d / "plan.json"),
+            "--now", "2026-12-14T16:10:00",
+            "--max-probe-age-s", "1e7",
+            "--gamma-window-days", "16",
+            "--sacct-history", f"snellius={sacct}",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    assert read_plan(d / "plan.json").sites["snellius"].gamma == pytest.approx(0.25)
+    err = capsys.readouterr().err
+    assert "1 row(s) with Start/End in no known time format" in err and str(sacct) in err
+
+
+def test_probe_prints_the_advice_for_a_refused_shape(site_dir: Path, capsys) -> None:
+    d = site_dir
+    rc = run(["probe", "--sites", str(d / "sites.yaml"), "--out", str(d / "probe.csv"),
+              "--now", "2026-11-29T16:00:00", "--sbatch", str(d / "sbatch")])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    refused = [ln for ln in out if "h100-5d" in ln]
+    assert len(refused) == 1 and "-> shorten_walltime: " in refused[0]
+    assert not any("->" in ln for ln in out if "h100-8h" in ln)
 
 
 def test_simulate_json(capsys) -> None:

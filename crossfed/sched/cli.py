@@ -39,6 +39,7 @@ from crossfed.sched.sacct import (
     sacct_window_start,
     walltime_discount,
 )
+from crossfed.sched.slurm_messages import Advice, advice_for
 
 INPUT_ERRORS = (
     SitesConfigError,
@@ -96,7 +97,9 @@ def cmd_probe(args: argparse.Namespace) -> int:
             Path(args.sacct_out).write_text(text)
     for row in table.itertuples():
         wait = f"{row.wait_s / 3600:.2f} h" if row.wait_s == row.wait_s else "-"
-        print(f"{row.site:<12} {row.shape or '-':<14} {row.reason:<13} wait {wait}")
+        advice = advice_for(row.reason)
+        hint = "" if advice is Advice.USE else f"  -> {advice}: {row.detail}"
+        print(f"{row.site:<12} {row.shape or '-':<14} {row.reason:<13} wait {wait}{hint}")
     return 0
 
 
@@ -158,7 +161,15 @@ def _gammas(specs: Sequence[str], sites: Sequence[str], now: datetime, window_s:
         p = Path(path)
         if not p.is_file():
             raise CliInputError(f"--sacct-history: file not found: {p}")
-        d = walltime_discount(parse_sacct(p.read_text()), now, window_s=window_s)
+        # relative SLURM_TIME_FORMAT times count from when sacct ran: the file's mtime
+        captured = datetime.fromtimestamp(p.stat().st_mtime, tz=now.tzinfo)
+        d = walltime_discount(parse_sacct(p.read_text(), now=captured), now, window_s=window_s)
+        if d.unparsed:
+            print(
+                f"crossfed: warning: {p}: {d.unparsed} row(s) with Start/End in no known "
+                "time format left out of gamma (capture sacct with SLURM_TIME_FORMAT=standard)",
+                file=sys.stderr,
+            )
         for s in [site] if site else sites:
             out[s] = d.gamma
     return out
@@ -252,6 +263,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{verb} {name:<12} shape={sp.shape or '-'} jobs={sp.jobs} units={sp.units:.4g} "
             f"A={sp.accumulation if sp.accumulation is not None else '-'}  {sp.reason}"
         )
+        for shape, advice in sp.advice.items():
+            print(f"       {name:<12} shape {shape}: {advice}")
     return 0
 
 
