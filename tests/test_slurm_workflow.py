@@ -15,6 +15,7 @@ completed round. The ledger must stay exact throughout. Finally ``--lint`` and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,10 +24,11 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
 import yaml
 from slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
@@ -40,6 +42,7 @@ from crossfed.sched.sacct import parse_sacct
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ROUNDS = 8  # more rounds than one 2-minute lumi job can train, however fast the machine
+TERMINAL = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
@@ -116,11 +119,55 @@ def snakemake(
     env = {**cluster.env, "PATH": f"{BIN}:{cluster.env['PATH']}", "PYTHONUNBUFFERED": "1"}
     cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile", "profile", *extra]
     log = open(cwd / f"{name}.out", "wb")
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    with sigint_default():
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     proc.log_path = cwd / f"{name}.out"  # type: ignore[attr-defined]
     return proc
+
+
+@contextlib.contextmanager
+def sigint_default() -> Iterator[None]:
+    """Children started inside begin with SIGINT at its default, as under a terminal.
+
+    A shell script that starts a command in the background (``pytest ... &``, as CI runners
+    and batch scripts do) sets SIGINT to ignored; exec keeps an ignored signal ignored, and
+    Python then installs no KeyboardInterrupt handler. Snakemake would sleep through the
+    test's Ctrl-C, finish the run and exit 0. Exec resets a caught signal to its default, so
+    the test process catches SIGINT while it starts the child.
+    """
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def catches_sigint(pid: int) -> bool:
+    """The process has a SIGINT handler installed (SigCgt in /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    return False
+
+
+def submitting(pid: int) -> bool:
+    """An ``sbatch`` that enqueues a job (not a ``--test-only`` probe) runs under ``pid``."""
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(child.cmdline())
+            if "sbatch" in cmd and "--test-only" not in cmd:
+                return True
+    return False
+
+
+def merged_rounds(results: Path) -> list[int]:
+    """The rounds whose merge record the workflow has written."""
+    return [r for r in range(1, ROUNDS + 1) if (results / f"rounds/{r}/merge.json").exists()]
 
 
 def output_of(proc: subprocess.Popen) -> str:
@@ -204,19 +251,41 @@ def test_two_slurm_sites_chain_jobs_survive_scancel_and_resume(
 
     # 2. the workflow carries on: lumi's first job stops before its walltime and the next
     # one is planned and submitted; then, with round 3 merged, the workflow is interrupted
-    # (Ctrl-C). A Ctrl-C while sbatch is in flight leaves that job unknown to Snakemake,
-    # which then cannot cancel it: interrupt once the job is in the queue.
+    # (Ctrl-C). Snakemake cancels only the Slurm jobs it has registered: a job whose sbatch
+    # is in flight is unknown to it (and the SIGINT hits that sbatch too). So the interrupt
+    # waits until Snakemake has logged lumi job 2's Slurm id and runs no submitting sbatch.
     merged = results / "rounds" / "3" / "merge.json"
+    lumi_2: list[str] = []
 
-    def lumi_job_2_queued() -> bool:
-        return any(j["comment"].endswith("wildcards_lumi_2") for j in queued(cluster))
+    def ready_to_interrupt() -> bool:
+        if not merged.exists():
+            return False
+        ids = [j["id"] for j in queued(cluster) if j["comment"].endswith("wildcards_lumi_2")]
+        lumi_2[:] = ids
+        return (
+            len(ids) == 1
+            and f"submitted with SLURM jobid {ids[0]} (" in output_of(run)
+            and not submitting(run.pid)
+        )
 
-    wait_for(lambda: merged.exists() and lumi_job_2_queued(), 900, "round 3 and lumi job 2", run)
+    wait_for(ready_to_interrupt, 900, "round 3 and lumi job 2 submitted", run)
     timings["to_interrupt_s"] = time.monotonic() - t0
+    # a Snakemake that ignores SIGINT would finish the run and exit 0 (see sigint_default)
+    assert catches_sigint(run.pid), "Snakemake does not catch SIGINT: a Ctrl-C cannot stop it"
+    merged_then = merged_rounds(results)
     os.killpg(run.pid, signal.SIGINT)
-    assert run.wait(timeout=180) != 0
+    rc = run.wait(timeout=180)
+    assert rc != 0, (
+        f"Snakemake exited {rc} after the Ctrl-C; rounds merged at the interrupt {merged_then},"
+        f" at the exit {merged_rounds(results)}; its output ends:\n{output_of(run)[-6000:]}"
+    )
     wait_for(lambda: not queued(cluster), 60, "Snakemake to cancel its Slurm jobs")
     assert sacct_state(cluster, victims[0]["id"]) == "CANCELLED"
+    # the interrupt landed mid-run: Snakemake cancelled lumi job 2, so lumi's chain and the
+    # run are unfinished and only the rerun below completes them
+    assert cluster.wait_job(lumi_2[0], TERMINAL, 60) == "CANCELLED", output_of(run)[-6000:]
+    assert not (results / "sites" / "lumi" / "job-2" / "outcome.json").exists()
+    assert not (results / "metrics" / "final.json").exists()
     done_before = {  # rounds whose merge job had finished (their evaluation exists)
         r: (results / "rounds" / str(r) / "merge.json").stat().st_mtime_ns
         for r in range(1, ROUNDS + 1)
