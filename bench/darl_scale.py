@@ -86,8 +86,8 @@ class HotPath:
             round_no=1,
             lease_id=lease["lease_id"],
             generation=0,
-            tokens=1000,
-            steps=4,
+            tokens=32 * lease["n_blocks"],  # one 32-token window per block
+            steps=lease["n_blocks"],
             consumed=lease["n_blocks"],
             blob=self.blob,
         )

@@ -169,8 +169,8 @@ class SimSite:
             "site": self.name,
             "lease_id": self.lease["lease_id"],
             "generation": 0,
-            "tokens": 1000,
-            "steps": 4,
+            "tokens": 32 * self.lease["n_blocks"],  # one 32-token window per block
+            "steps": self.lease["n_blocks"],
             "consumed": self.lease["n_blocks"],
         }
         data = self.run.delta.read_bytes()

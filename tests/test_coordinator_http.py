@@ -63,7 +63,7 @@ def submit(
     generation: int = 0,
     round_no: int = 1,
     inline: bool = False,
-    tokens: int = 1000,
+    tokens: int = 256,  # within what 2 blocks of 8 windows x 32 tokens hold
 ) -> dict:
     return live.client(site).submit_delta(
         round_no,
@@ -108,8 +108,8 @@ def test_round_with_two_sites_merges_token_weighted(
     g0 = global_model(run, 0, tmp_path)
     a, b = join_and_lease(run, "snellius", tiny_data), join_and_lease(run, "lumi", tiny_data)
     da, db = delta_file(tmp_path, g0, seed=1, name="a"), delta_file(tmp_path, g0, seed=2, name="b")
-    assert submit(run, "snellius", a, da, tokens=3000)["accepted"]
-    assert submit(run, "lumi", b, db, tokens=1000, inline=True)["accepted"]
+    assert submit(run, "snellius", a, da, tokens=240)["accepted"]
+    assert submit(run, "lumi", b, db, tokens=80, inline=True)["accepted"]
     info = wait_round_closed(run, 1)
     report = info["report"]
     assert sorted(report["contributors"]) == ["lumi", "snellius"]

@@ -314,4 +314,4 @@ def test_a_site_can_neither_read_nor_touch_another_sites_leases_or_deltas(
     assert refused.value.status in (403, 409)
     assert {p.name: p.read_bytes() for p in blob.rglob("*") if p.is_file()} == stored
     info = run.client().round_info(1)
-    assert [(d["site"], d["tokens"]) for d in info["deltas"]] == [("snellius", 1000)]
+    assert [(d["site"], d["tokens"]) for d in info["deltas"]] == [("snellius", 256)]

@@ -93,8 +93,8 @@ def busy(run: LiveCoordinator, tiny_data: Path, tmp_path: Path) -> LiveCoordinat
     g0 = global_model(run, 0, tmp_path)
     a = join_and_lease(run, "snellius", tiny_data)
     b = join_and_lease(run, "lumi", tiny_data)
-    submit(run, "snellius", a, delta_file(tmp_path, g0, seed=1, name="a"), tokens=3000)
-    submit(run, "lumi", b, delta_file(tmp_path, g0, seed=2, name="b"), tokens=1000)
+    submit(run, "snellius", a, delta_file(tmp_path, g0, seed=1, name="a"), tokens=240)
+    submit(run, "lumi", b, delta_file(tmp_path, g0, seed=2, name="b"), tokens=80)
     wait_round_closed(run, 1)
     lease = join_and_lease(run, "frontier", tiny_data, round_no=2)
     run.client("frontier").heartbeat(lease["lease_id"], "frontier", 1, None)  # keeps 60 s TTL

@@ -18,10 +18,13 @@ from typing import Annotated, Any
 
 import yaml
 from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Path as PathParam
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from crossfed.coordinator.blobs import BlobError, check_key
@@ -32,6 +35,7 @@ from crossfed.coordinator.guards import (
     RequestTimeout,
     StatusCounter,
     StatusStats,
+    bearer_token,
 )
 from crossfed.coordinator.ranged import RangedFile
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
@@ -41,6 +45,19 @@ from crossfed.coordinator.status_page import add_ui_routes
 log = logging.getLogger("crossfed.coordinator")
 ADMIN = "__admin__"
 MAX_INT = 2**63 - 1  # SQLite's INTEGER range
+#: the error word of an HTTP status the framework answers itself (unknown route, method...)
+HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+BLOB_KEY = Annotated[str, PathParam(min_length=1, max_length=200, description="the blob's digest")]
+ROUND = Annotated[int, PathParam(ge=-MAX_INT, le=MAX_INT)]
+GENERATION = Annotated[int, PathParam(ge=-MAX_INT, le=MAX_INT)]
+LEASE_ID = Annotated[int, PathParam(ge=-MAX_INT, le=MAX_INT)]
 
 
 def _json_safe(value: Any) -> Any:
@@ -81,6 +98,41 @@ class Tokens:
 
 def _token_digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def _error_text(errors: list[dict[str, Any]]) -> str:
+    """Pydantic's errors as one line: ``query.tokens: Input should be ...; body.site: ...``."""
+    parts = []
+    for error in errors:
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        parts.append(f"{where}: {error.get('msg', 'invalid')}" if where else error.get("msg", ""))
+    return "; ".join(parts) or "invalid request"
+
+
+def _binary_body(description: str, max_bytes: int) -> dict[str, Any]:
+    """OpenAPI for a route whose body is raw bytes (read as a stream, not parsed)."""
+    schema = {"type": "string", "format": "binary", "maxLength": max_bytes}
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {"application/octet-stream": {"schema": schema}},
+        }
+    }
+
+
+def _run_spec_schema() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON schema of a run spec (from ``RunSpec`` itself) and its nested definitions,
+    with the bounds ``RunSpec.from_dict`` enforces."""
+    schema = TypeAdapter(RunSpec).json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    props = schema.get("properties", {})
+    for name in ("n_windows", "block_size", "inner_steps"):
+        if name in props:
+            props[name]["minimum"] = 1
+    if "sites" in props:
+        props["sites"]["minProperties"] = 1
+    return schema, defs
 
 
 class RegisterBody(BaseModel):
@@ -204,8 +256,33 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's own handler echoes the input back; a NaN or Infinity in it cannot be JSON
-        detail = jsonable_encoder(_json_safe(exc.errors()))
-        return JSONResponse(status_code=422, content={"error": "invalid_request", "detail": detail})
+        errors = jsonable_encoder(_json_safe(exc.errors()))
+        return JSONResponse(
+            status_code=422,
+            content={"error": "invalid_request", "detail": _error_text(errors), "errors": errors},
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # the framework's own answers (unknown route, wrong method, a body cut off at the
+        # limit) in the same shape as every other refusal
+        code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        return JSONResponse(
+            status_code=exc.status_code,
+            content={"error": code, "detail": str(exc.detail)},
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(Exception)
+    async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+        # a bug: logged with its traceback by the server; the client gets the usual shape
+        return JSONResponse(
+            status_code=500,
+            content={
+                "error": "internal_error",
+                "detail": "internal error; see the coordinator log",
+            },
+        )
 
     @app.exception_handler(OverflowError)
     async def _overflow(_: Request, exc: OverflowError) -> JSONResponse:
@@ -217,11 +294,12 @@ def create_app(
 
     async def caller(authorization: Annotated[str | None, Header()] = None) -> str:
         # async: a sync dependency would cost a thread-pool round trip on every request
-        if not authorization or not authorization.startswith("Bearer "):
+        token = bearer_token(authorization)
+        if token is None:
             raise CoordinatorError(
                 401, "unauthenticated", "missing 'Authorization: Bearer <token>'"
             )
-        who = tokens.identify(authorization[len("Bearer ") :])
+        who = tokens.identify(token)
         if who is None:
             raise CoordinatorError(401, "unauthenticated", "unknown token")
         return who
@@ -264,7 +342,17 @@ def create_app(
     async def health() -> dict[str, Any]:
         return {"ok": True, "run": coordinator.spec is not None}
 
-    @app.post("/v1/run")
+    run_spec_schema, run_spec_defs = _run_spec_schema()
+
+    @app.post(
+        "/v1/run",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": run_spec_schema}},
+            }
+        },
+    )
     async def init_run(body: dict[str, Any], who: Caller) -> dict[str, Any]:
         as_admin(who)
         return await run(coordinator.init_run, RunSpec.from_dict(body))
@@ -278,7 +366,11 @@ def create_app(
         return await run(coordinator.ledger_table)
 
     @app.post("/v1/sites/{site}/register")
-    async def register(site: str, body: RegisterBody, who: Caller) -> dict[str, Any]:
+    async def register(
+        site: Annotated[str, PathParam(min_length=1, max_length=64)],
+        body: RegisterBody,
+        who: Caller,
+    ) -> dict[str, Any]:
         as_site(who, site)
         reply = await run(
             coordinator.register, site, body.digest, body.ranks, body.rtt_ms, body.round
@@ -286,13 +378,13 @@ def create_app(
         return own_view(who, reply)
 
     @app.get("/v1/models/{generation}")
-    async def model(generation: int, who: Caller) -> RangedFile:
+    async def model(generation: GENERATION, who: Caller) -> RangedFile:
         """Global bf16 weights; ``Range`` requests fetch them in parts (``X-Content-Digest``)."""
         path, digest = await run(coordinator.global_file, generation)
         return RangedFile(path, digest, max_request_s)
 
     @app.get("/v1/rounds/{round_no}")
-    async def round_info(round_no: int, who: Caller) -> dict[str, Any]:
+    async def round_info(round_no: ROUND, who: Caller) -> dict[str, Any]:
         info = await run(coordinator.round_info, round_no)
         if who != ADMIN:  # a site sees its own deltas only
             info["deltas"] = [d for d in info["deltas"] if d["site"] == who]
@@ -318,7 +410,7 @@ def create_app(
         return await run(coordinator.heartbeat, *args)
 
     @app.post("/v1/leases/{lease_id}/heartbeat")
-    async def heartbeat(lease_id: int, body: HeartbeatBody, who: Caller) -> dict[str, Any]:
+    async def heartbeat(lease_id: LEASE_ID, body: HeartbeatBody, who: Caller) -> dict[str, Any]:
         return await beat(lease_id, body, who)
 
     async def heartbeat_fast(request: Request) -> JSONResponse:
@@ -337,20 +429,47 @@ def create_app(
     )
 
     @app.post("/v1/leases/{lease_id}/release")
-    async def release(lease_id: int, body: SiteBody, who: Caller) -> dict[str, Any]:
+    async def release(lease_id: LEASE_ID, body: SiteBody, who: Caller) -> dict[str, Any]:
         as_site(who, body.site)
         return await run(coordinator.release, lease_id, body.site)
 
-    @app.put("/v1/blobs/{key}", status_code=201)
-    async def put_blob(
-        key: str,
-        request: Request,
-        who: Caller,
-        offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
-        total: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+    def site_of(who: str) -> str | None:
+        return None if who == ADMIN else who
+
+    async def may_see_blob(who: str, key: str) -> None:
+        """A site sees the blobs it uploaded (and its accepted deltas'); the admin sees all."""
+        if who == ADMIN:
+            return
+        holders = await run(coordinator.blob_holders, key)
+        if holders and who not in holders:
+            raise CoordinatorError(403, "forbidden", f"blob {key} is another site's")
+
+    async def store_body(
+        who: str, key: str, request: Request, offset: int, total: int | None
     ) -> dict[str, Any]:
-        """Upload a blob (key = its digest) whole, or in parts at ``offset`` of ``total``."""
-        return await coordinator.blobs.write_part(
+        """Write a request body into the blob store as ``who``. An upload a site starts is
+        recorded as its own before the first byte is kept; another site's blob may only be
+        sent again whole and byte for byte (then the sender holds it too), so a part of it
+        can never be probed or overwritten."""
+        holders = set() if who == ADMIN else await run(coordinator.blob_holders, key)
+        record_after = False
+        if who != ADMIN and who not in holders:
+            exists = coordinator.blobs.exists(key)
+            if holders and not exists:
+                raise CoordinatorError(403, "forbidden", f"blob {key} is another site's upload")
+            if holders and (offset != 0 or total not in (None, coordinator.blobs.size(key))):
+                raise CoordinatorError(
+                    403,
+                    "forbidden",
+                    f"blob {key} is another site's; only all of its bytes may be sent again",
+                )
+            if holders:
+                total = None  # the body must be the whole blob
+            if exists:
+                record_after = True
+            else:
+                await run(coordinator.hold_blob, key, who)
+        state = await coordinator.blobs.write_part(
             key,
             request.stream(),
             offset=offset,
@@ -358,50 +477,78 @@ def create_app(
             max_bytes=max_blob_bytes,
             deadline=time.monotonic() + max_request_s,
         )
+        if record_after:
+            await run(coordinator.hold_blob, key, who)
+        return state
+
+    @app.put(
+        "/v1/blobs/{key}",
+        status_code=201,
+        openapi_extra=_binary_body("the blob's bytes (or one part of them)", max_blob_bytes),
+    )
+    async def put_blob(
+        key: BLOB_KEY,
+        request: Request,
+        who: Caller,
+        offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+        total: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+    ) -> dict[str, Any]:
+        """Upload a blob (key = its digest) whole, or in parts at ``offset`` of ``total``.
+
+        A blob is private to the site that uploads it. The same bytes again are answered
+        as a finished upload; other bytes under a stored key are refused with 409."""
+        return await store_body(who, check_key(key), request, offset, total)
 
     @app.get("/v1/blobs/{key}/state")
-    async def blob_state(key: str, who: Caller) -> dict[str, Any]:
+    async def blob_state(key: BLOB_KEY, who: Caller) -> dict[str, Any]:
         """Whether a blob is complete, and the offset its upload resumes at."""
+        key = check_key(key)
+        await may_see_blob(who, key)
         return coordinator.blobs.upload_state(key)
 
     @app.get("/v1/blobs/{key}")
-    async def get_blob(key: str, who: Caller) -> RangedFile:
+    async def get_blob(key: BLOB_KEY, who: Caller) -> RangedFile:
         """A complete blob's bytes (``Range`` requests fetch it in parts)."""
         key = check_key(key)
-        owner = await run(coordinator.delta_site, key)
-        if owner is not None and who not in (ADMIN, owner):
-            raise CoordinatorError(403, "forbidden", "this blob is another site's delta")
+        await may_see_blob(who, key)
         if not coordinator.blobs.exists(key):
             raise CoordinatorError(404, "unknown_blob", f"no blob {key}")
         return RangedFile(coordinator.blobs.path(key), key, max_request_s)
 
     @app.post("/v1/rounds/{round_no}/deltas")
-    async def submit(round_no: int, body: DeltaBody, who: Caller) -> dict[str, Any]:
+    async def submit(round_no: ROUND, body: DeltaBody, who: Caller) -> dict[str, Any]:
         as_site(who, body.site)
-        return await run(coordinator.submit, round_no=round_no, **body.model_dump())
+        return await run(
+            coordinator.submit, round_no=round_no, **body.model_dump(), by=site_of(who)
+        )
 
-    @app.post("/v1/rounds/{round_no}/deltas/inline")
+    @app.post(
+        "/v1/rounds/{round_no}/deltas/inline",
+        openapi_extra=_binary_body("the delta's safetensors bytes", max_blob_bytes),
+    )
     async def submit_inline(
-        round_no: int,
+        round_no: ROUND,
         request: Request,
         who: Caller,
-        site: str,
-        lease_id: int,
-        generation: int,
-        tokens: int,
-        steps: int,
-        consumed: int,
-        loss: float | None = None,
-        compute_s: float | None = None,
-        x_content_digest: Annotated[str | None, Header()] = None,
-        x_content_sha256: Annotated[str | None, Header()] = None,
+        site: Annotated[str, Query(min_length=1, max_length=64)],
+        lease_id: Annotated[int, Query(ge=0, le=MAX_INT)],
+        generation: Annotated[int, Query(ge=0, le=MAX_INT)],
+        tokens: Annotated[int, Query(ge=1, le=MAX_INT)],
+        steps: Annotated[int, Query(ge=1, le=MAX_INT)],
+        consumed: Annotated[int, Query(ge=1, le=MAX_INT)],
+        loss: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+        compute_s: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
+        x_content_digest: Annotated[str | None, Header(min_length=1, max_length=80)] = None,
+        x_content_sha256: Annotated[str | None, Header(min_length=1, max_length=80)] = None,
     ) -> dict[str, Any]:
         """The delta's bytes inside the round message itself (the paper's inline transport).
 
         ``X-Content-Digest`` (``blake3:<hex>`` or ``sha256:<hex>``; the legacy
         ``X-Content-SHA256`` is a bare SHA-256) names the bytes; they are verified and kept
-        like a blob. Past ``max_request_s`` the answer is 408 with the offset reached, from
-        which the client may finish the upload as a blob.
+        like a blob. Every check that needs not the bytes (the query values, the lease, the
+        claim) is made before the first byte is stored. Past ``max_request_s`` the answer
+        is 408 with the offset reached, from which the client may finish the upload as a
+        blob.
         """
         as_site(who, site)
         digest = x_content_digest or x_content_sha256
@@ -410,20 +557,33 @@ def create_app(
                 422, "missing_digest", "inline deltas need an X-Content-Digest header"
             )
         digest = check_key(digest)
-        await coordinator.blobs.write_stream(
-            digest, request.stream(), max_blob_bytes, time.monotonic() + max_request_s
-        )
-        body = DeltaBody(
+        fields = dict(
             site=site,
             lease_id=lease_id,
             generation=generation,
             tokens=tokens,
             steps=steps,
             consumed=consumed,
+        )
+        await run(coordinator.vet_delta, round_no=round_no, blob=digest, **fields)
+        await store_body(who, digest, request, 0, None)
+        return await run(
+            coordinator.submit,
+            round_no=round_no,
             blob=digest,
             loss=loss,
             compute_s=compute_s,
+            by=site_of(who),
+            **fields,
         )
-        return await run(coordinator.submit, round_no=round_no, **body.model_dump())
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document plus the run spec's nested definitions (``POST /v1/run``)."""
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(run_spec_defs)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -141,10 +141,8 @@ class BlobStore:
             raise BlobError(
                 f"blob of {total} bytes exceeds the {max_bytes}-byte limit", 413, "body_too_large"
             )
-        if self.exists(key):  # idempotent: read and drop the body the client sends anyway
-            async for _ in chunks:
-                pass
-            return self.upload_state(key)
+        if self.exists(key):  # idempotent for the same bytes; other bytes are refused
+            return await self._match_existing(key, chunks, offset, total)
         upload = self._uploads.setdefault(key, _Upload())  # kept until the blob is complete
         async with upload.lock:
             state = await self._write_locked(
@@ -165,9 +163,7 @@ class BlobStore:
         deadline: float | None,
     ) -> dict[str, Any]:
         if self.exists(key):  # finished by a request that held the lock before us
-            async for _ in chunks:
-                pass
-            return self.upload_state(key)
+            return await self._match_existing(key, chunks, offset, total)
         part = self._part_path(key)
         staged = part.stat().st_size if part.exists() else 0
         if offset == 0 and staged:
@@ -272,6 +268,54 @@ class BlobStore:
         os.replace(part, target)
         fsync_dir(target.parent)
         return {"key": key, "complete": True, "offset": done, "bytes": done}
+
+    async def _match_existing(
+        self, key: str, chunks: AsyncIterator[bytes], offset: int, total: int | None
+    ) -> dict[str, Any]:
+        """A body sent for a blob that is already complete: the same bytes at ``offset`` (to
+        the end when ``total`` is None) are answered as a finished upload; any other bytes
+        are refused with 409 and the stored blob stays as it is (a key names one content)."""
+        path = self.path(key)
+        size = path.stat().st_size
+        same = offset <= size and (total is None or total == size)
+        position = offset
+        batch: list[bytes] = []
+        batched = 0
+        fd = os.open(path, os.O_RDONLY)
+
+        async def compare() -> bool:
+            data = b"".join(batch)
+            start = position - len(data)
+            stored = await asyncio.to_thread(os.pread, fd, len(data), start)
+            return stored == data
+
+        try:
+            async for chunk in chunks:  # read to the end either way (keeps the connection)
+                if not same or not chunk:
+                    continue
+                position += len(chunk)
+                if position > size:
+                    same = False
+                    continue
+                batch.append(chunk)
+                batched += len(chunk)
+                if batched >= BATCH:
+                    same = await compare()
+                    batch, batched = [], 0
+            if same and batch:
+                same = await compare()
+        finally:
+            os.close(fd)
+        if same and total is None and position != size:
+            same = False  # a body meant to be the rest of the blob ends early
+        if not same:
+            raise BlobError(
+                f"blob {key} is already stored ({size} bytes) and these bytes differ from it; "
+                "a content-addressed key names exactly one content",
+                409,
+                "blob_exists",
+            )
+        return self.upload_state(key)
 
     # ------------------------------------------------------------------ retention
     def delete(self, key: str) -> None:

@@ -39,6 +39,18 @@ PUBLIC_PATHS = frozenset({"/v1/health"})
 UI_PREFIX = "/v1/ui"
 
 
+def bearer_token(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None. The scheme name is
+    case-insensitive (RFC 7235: ``bearer``, ``BEARER``); the token is taken as sent."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", []):
         if key.lower() == name:
@@ -140,10 +152,10 @@ class AuthGate:
         if scope["type"] != "http" or path in PUBLIC_PATHS or _is_ui(path):
             await self.app(scope, receive, send)
             return
-        header = _header(scope, b"authorization") or ""
-        if not header.startswith("Bearer "):
+        token = bearer_token(_header(scope, b"authorization"))
+        if token is None:
             detail = "missing 'Authorization: Bearer <token>'"
-        elif self.identify(header[len("Bearer ") :]) is None:
+        elif self.identify(token) is None:
             detail = "unknown token"
         else:
             await self.app(scope, receive, send)
@@ -163,17 +175,31 @@ def _is_ui(path: str) -> bool:
 class BodyLimit:
     """413 for bodies over the limit, by Content-Length before the first byte is read.
 
-    Starlette's ``RequestBodyLimitMiddleware`` does the work (it also cuts off a streamed
-    body once it passes the limit); this picks the limit by route: the blob routes
-    (``BLOB_ROUTE``) get ``max_blob_bytes``, every JSON route ``max_json_bytes``.
+    The limit is picked by route: the blob routes (``BLOB_ROUTE``) get ``max_blob_bytes``,
+    every JSON route ``max_json_bytes``. A declared length over it is answered here, in the
+    API's error shape; Starlette's ``RequestBodyLimitMiddleware`` cuts off a streamed body
+    once it passes the limit (its 413 is an ``HTTPException``, rendered by the app).
     """
 
     def __init__(self, app: ASGIApp, *, max_json_bytes: int, max_blob_bytes: int) -> None:
+        self.limits = {False: max_json_bytes, True: max_blob_bytes}
         self.json = RequestBodyLimitMiddleware(app, max_json_bytes)
         self.blob = RequestBodyLimitMiddleware(app, max_blob_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        blob = scope["type"] == "http" and BLOB_ROUTE.match(scope.get("path", ""))
+        blob = scope["type"] == "http" and bool(BLOB_ROUTE.match(scope.get("path", "")))
+        if scope["type"] == "http":
+            declared = _header(scope, b"content-length")
+            limit = self.limits[blob]
+            if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+                detail = f"a {declared.strip()}-byte body exceeds this route's {limit}-byte limit"
+                await _send_json(
+                    send,
+                    413,
+                    {"error": "body_too_large", "detail": detail},
+                    [(b"connection", b"close")],
+                )
+                return
         await (self.blob if blob else self.json)(scope, receive, send)
 
 

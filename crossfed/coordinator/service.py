@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from crossfed.compress import open_delta
 from crossfed.coordinator import store
-from crossfed.coordinator.blobs import BlobStore
+from crossfed.coordinator.blobs import BlobStore, check_key
 from crossfed.coordinator.faults import crash_point
 from crossfed.coordinator.rounds import close_decision
 from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences
@@ -50,6 +50,11 @@ class CoordinatorError(Exception):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+
+    @classmethod
+    def of_lease(cls, status: int, exc: LeaseError) -> CoordinatorError:
+        """A lease book refusal: its code once, its message without the code prefix."""
+        return cls(status, exc.code, str(exc).removeprefix(f"{exc.code}: "))
 
 
 class Coordinator:
@@ -226,11 +231,16 @@ class Coordinator:
         pending = self.conn.execute(
             "SELECT DISTINCT blob FROM deltas WHERE round_no > ?", (closed_round,)
         ).fetchall()
-        self.blobs.prune(
+        deleted = self.blobs.prune(
             drop=[r["blob"] for r in merged],
             keep=[r["blob"] for r in pending],
             grace_s=BLOB_GRACE_S,
         )
+        if deleted:
+            with store.Transaction(self.conn):
+                self.conn.executemany(
+                    "DELETE FROM blob_holders WHERE blob = ?", [(k,) for k in deleted]
+                )
 
     # ------------------------------------------------------------------ reads
     def current_round(self) -> dict[str, Any]:
@@ -287,6 +297,34 @@ class Coordinator:
                 "SELECT site FROM deltas WHERE blob IN (?, ?) LIMIT 1", forms
             ).fetchone()
         return row["site"] if row else None
+
+    def blob_holders(self, key: str) -> set[str]:
+        """Sites that may see blob ``key``: those that uploaded it and the one whose accepted
+        delta it is. Empty for a blob no site holds (never uploaded over the API)."""
+        key = check_key(key)
+        with self.lock:
+            rows = self.conn.execute(
+                "SELECT site FROM blob_holders WHERE blob = ?", (key,)
+            ).fetchall()
+        holders = {r["site"] for r in rows}
+        owner = self.delta_site(key)
+        return holders | {owner} if owner is not None else holders
+
+    def hold_blob(self, key: str, site: str) -> None:
+        """Record ``site`` as an uploader of blob ``key`` (before its first byte is kept, so a
+        restarted coordinator still lets it resume)."""
+        key = check_key(key)
+        with self.lock, store.Transaction(self.conn):
+            self.conn.execute(
+                "INSERT OR IGNORE INTO blob_holders (blob, site) VALUES (?, ?)", (key, site)
+            )
+
+    def _may_use_blob(self, site: str | None, key: str) -> bool:
+        """Whether ``site`` (None: the admin) may see or submit blob ``key``."""
+        if site is None:
+            return True
+        holders = self.blob_holders(key)
+        return not holders or site in holders
 
     def sites_view(self) -> list[dict[str, Any]]:
         """Registered sites: ranks, RTT, last step time and when they were last heard from."""
@@ -513,7 +551,7 @@ class Coordinator:
                             (now, round_no),
                         )
             except LeaseError as exc:
-                raise CoordinatorError(409, exc.code, str(exc)) from exc
+                raise CoordinatorError.of_lease(409, exc) from exc
             if lease is None:
                 return {"lease": None, "reason": "pool_empty", "generation": current["generation"]}
             return {"lease": self._lease_view(lease), "generation": current["generation"]}
@@ -558,7 +596,7 @@ class Coordinator:
                         (t_step_s, now, site),
                     )
             except LeaseError as exc:
-                raise CoordinatorError(409, exc.code, str(exc)) from exc
+                raise CoordinatorError.of_lease(409, exc) from exc
             return {
                 "lease": self._lease_view(lease),
                 "round": self.current_round()["round_no"],
@@ -575,7 +613,7 @@ class Coordinator:
                         "release", {"lease_id": lease_id, "site": site, "now": self.clock()}
                     )
             except LeaseError as exc:
-                raise CoordinatorError(409, exc.code, str(exc)) from exc
+                raise CoordinatorError.of_lease(409, exc) from exc
             return {"lease_id": lease_id, "returned": returned}
 
     # ------------------------------------------------------------------ deltas
@@ -592,8 +630,13 @@ class Coordinator:
         blob: str,
         loss: float | None = None,
         compute_s: float | None = None,
+        by: str | None = None,
     ) -> dict[str, Any]:
-        """Accept a delta and commit its blocks in ONE transaction; idempotent per lease."""
+        """Accept a delta and commit its blocks in ONE transaction; idempotent per lease.
+
+        ``by`` is the site whose token sent it (None: the admin): a site may submit only a
+        blob it uploaded itself; anyone else's is, to it, a blob that does not exist.
+        """
         for name, value in (("loss", loss), ("compute_s", compute_s)):
             if value is not None and not math.isfinite(value):
                 raise CoordinatorError(422, "bad_number", f"{name} must be finite, got {value}")
@@ -608,48 +651,13 @@ class Coordinator:
                 rejected = exc
             checked = True
         with self.lock:
-            self._check_site(site)
+            args = (site, round_no, lease_id, generation, tokens, steps, consumed, blob)
+            checked_lease = self._vet(*args)
+            if isinstance(checked_lease, dict):
+                return checked_lease  # the same delta again
+            lease = checked_lease
             assert self.book is not None
-            previous = self.conn.execute(
-                "SELECT * FROM deltas WHERE lease_id = ?", (lease_id,)
-            ).fetchone()
-            if previous is not None:
-                # a resend after a crash repeats the checkpointed request exactly; anything
-                # else on a used lease is a forged or altered replay and changes nothing
-                sent = (site, blob, round_no, generation, tokens, steps, consumed)
-                if sent != tuple(previous[k] for k in RESEND_FIELDS):
-                    raise CoordinatorError(
-                        409, "lease_used", f"lease {lease_id} already carried a different delta"
-                    )
-                return {"accepted": True, "already": True, "round": previous["round_no"]}
-            try:
-                lease = self.book.lease(lease_id)
-            except LeaseError as exc:
-                raise CoordinatorError(404, exc.code, str(exc)) from exc
-            if lease.site != site:
-                raise CoordinatorError(
-                    403, "not_owner", f"lease {lease_id} belongs to another site"
-                )
-            current = self.current_round()
-            if generation != current["generation"] or round_no != current["round_no"]:
-                self._release_quietly(lease_id, site)
-                raise CoordinatorError(
-                    409,
-                    "stale_generation",
-                    f"delta trained from generation {generation} for round {round_no}; the current "
-                    f"round is {current['round_no']} at generation {current['generation']}: "
-                    "rejected, its blocks return to the pool",
-                )
-            if tokens < 1 or steps < 1:
-                raise CoordinatorError(422, "bad_counts", "tokens and steps must be >= 1")
-            if not 1 <= consumed <= lease.end - lease.start:
-                raise CoordinatorError(
-                    422,
-                    "bad_progress",
-                    f"consumed={consumed} outside 1..{lease.end - lease.start} "
-                    f"for lease {lease_id}",
-                )
-            if not self.blobs.exists(blob):
+            if not self.blobs.exists(blob) or not self._may_use_blob(by, blob):
                 raise CoordinatorError(404, "unknown_blob", f"no blob {blob}; upload it first")
             if not checked:  # it arrived while we were looking
                 self._validate_delta_blob(blob)
@@ -688,7 +696,7 @@ class Coordinator:
                     if self.book.epoch_complete():
                         self._event("next_epoch", {"now": now})
             except LeaseError as exc:
-                raise CoordinatorError(409, exc.code, str(exc)) from exc
+                raise CoordinatorError.of_lease(409, exc) from exc
             except LedgerError as exc:
                 raise CoordinatorError(409, "duplicate_commit", str(exc)) from exc
             return {
@@ -698,6 +706,103 @@ class Coordinator:
                 "committed": result.committed,
                 "returned": result.returned,
             }
+
+    def vet_delta(
+        self,
+        *,
+        site: str,
+        round_no: int,
+        lease_id: int,
+        generation: int,
+        tokens: int,
+        steps: int,
+        consumed: int,
+        blob: str,
+    ) -> None:
+        """Every check of :meth:`submit` that needs not the blob's bytes, made before an
+        inline body is stored: a delta refused here is refused before its first byte is kept."""
+        with self.lock:
+            self._vet(site, round_no, lease_id, generation, tokens, steps, consumed, blob)
+
+    def _vet(
+        self,
+        site: str,
+        round_no: int,
+        lease_id: int,
+        generation: int,
+        tokens: int,
+        steps: int,
+        consumed: int,
+        blob: str,
+    ) -> Lease | dict[str, Any]:
+        """The lease behind a delta, checked (owner, round, generation, progress, claim), or
+        the answer to a resend of an accepted delta. Refusals change nothing, except that a
+        stale delta's lease is released (its blocks return to the pool). Holds the lock."""
+        self._check_site(site)
+        assert self.book is not None
+        previous = self.conn.execute(
+            "SELECT * FROM deltas WHERE lease_id = ?", (lease_id,)
+        ).fetchone()
+        if previous is not None:
+            # a resend after a crash repeats the checkpointed request exactly; anything
+            # else on a used lease is a forged or altered replay and changes nothing
+            sent = (site, blob, round_no, generation, tokens, steps, consumed)
+            if sent != tuple(previous[k] for k in RESEND_FIELDS):
+                raise CoordinatorError(
+                    409, "lease_used", f"lease {lease_id} already carried a different delta"
+                )
+            return {"accepted": True, "already": True, "round": previous["round_no"]}
+        try:
+            lease = self.book.lease(lease_id)
+        except LeaseError as exc:
+            raise CoordinatorError.of_lease(404, exc) from exc
+        if lease.site != site:
+            raise CoordinatorError(403, "not_owner", f"lease {lease_id} belongs to another site")
+        current = self.current_round()
+        if generation != current["generation"] or round_no != current["round_no"]:
+            self._release_quietly(lease_id, site)
+            raise CoordinatorError(
+                409,
+                "stale_generation",
+                f"delta trained from generation {generation} for round {round_no}; the current "
+                f"round is {current['round_no']} at generation {current['generation']}: "
+                "rejected, its blocks return to the pool",
+            )
+        if tokens < 1 or steps < 1:
+            raise CoordinatorError(422, "bad_counts", "tokens and steps must be >= 1")
+        if not 1 <= consumed <= lease.end - lease.start:
+            raise CoordinatorError(
+                422,
+                "bad_progress",
+                f"consumed={consumed} outside 1..{lease.end - lease.start} for lease {lease_id}",
+            )
+        self._check_claim(lease, tokens, steps, consumed)
+        return lease
+
+    def _check_claim(self, lease: Lease, tokens: int, steps: int, consumed: int) -> None:
+        """Tokens and steps no larger than the committed blocks hold: a site trains each
+        window once (``seq_len`` tokens of it are predicted) and every inner step trains at
+        least one window. The token count is a delta's weight in the average and the step
+        count moves the global step, so an inflated claim is refused, never capped."""
+        spec = self._require_run()
+        assert self.space is not None
+        windows = claim_windows(self.space, lease, consumed)
+        limit = windows * spec.seq_len
+        if tokens > limit:
+            raise CoordinatorError(
+                422,
+                "implausible_claim",
+                f"tokens={tokens} exceed what the {consumed} committed blocks of lease "
+                f"{lease.lease_id} hold: {windows} windows x seq_len {spec.seq_len} = "
+                f"{limit} tokens",
+            )
+        if steps > windows:
+            raise CoordinatorError(
+                422,
+                "implausible_claim",
+                f"steps={steps} exceed the {windows} windows of the {consumed} committed "
+                f"blocks of lease {lease.lease_id} (every inner step trains at least one)",
+            )
 
     def _release_quietly(self, lease_id: int, site: str) -> None:
         try:
@@ -826,6 +931,14 @@ class Coordinator:
             merge_s,
         )
         return summary
+
+
+def claim_windows(space: BlockSpace, lease: Lease, consumed: int) -> int:
+    """Windows in the first ``consumed`` blocks of ``lease`` (the last block may be short)."""
+    blocks = space.permutation(lease.epoch)[lease.start : lease.start + consumed]
+    last = space.n_blocks - 1
+    short = space.block_size - len(space.block_windows(last))
+    return consumed * space.block_size - (short if bool((blocks == last).any()) else 0)
 
 
 def _ledger_records(conn: Any, ledger: LedgerStore, book: LeaseBook) -> list[dict[str, Any]]:

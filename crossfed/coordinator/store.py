@@ -1,4 +1,4 @@
-"""The coordinator's SQLite database: run spec, rounds, sites and accepted deltas.
+"""The coordinator's SQLite database: run spec, rounds, sites, accepted deltas, blob uploaders.
 
 One database file in WAL mode with ``synchronous=FULL``; the DARL ledger lives in the same
 file so a delta's acceptance and its blocks' commit are one transaction.
@@ -45,6 +45,11 @@ CREATE TABLE IF NOT EXISTS deltas (
     loss REAL,
     compute_s REAL,
     accepted_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS blob_holders (
+    blob TEXT NOT NULL,
+    site TEXT NOT NULL,
+    PRIMARY KEY (blob, site)
 );
 """
 
