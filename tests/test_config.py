@@ -255,3 +255,8 @@ def test_without_log_nothing_is_written(tmp_path: Path, monkeypatch: pytest.Monk
     config = write_config(tmp_path, flavour="0.6b")
     assert main(["status", "--config", str(config)]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_a_negative_block_seed_is_refused_at_read() -> None:
+    with pytest.raises(ConfigError, match=r"data/seed: -1 is less than the minimum of 0"):
+        load_run_config(None, {"data": {"seed": -1}})
