@@ -292,7 +292,7 @@ def test_start_estimates_of_every_version_and_time_format(case: dict) -> None:
 def test_unreadable_start_time_is_unparsed_with_the_raw_text(case: dict) -> None:
     r = parse_test_only("", case["stderr"], 0, NOW)
     assert not r.ok and r.reason is ProbeReason.UNPARSED
-    assert case["raw"] in r.detail and r.est_start is None and r.job_id == "8"
+    assert case["raw"] in r.detail and r.est_start is None and r.job_id == case["job"]
 
 
 @pytest.mark.parametrize("case", SLURM_DATA["refusals"], ids=lambda c: c["name"])
