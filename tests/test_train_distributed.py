@@ -76,12 +76,25 @@ def test_torchrun_fsdp_matches_the_single_process_simulation(
 def test_torchrun_command_for_one_node_and_for_several() -> None:
     one = torchrun_argv(4, ["site", "run", "--site", "lumi"])
     assert one[:3] == ["torchrun", "--standalone", "--nnodes=1"]
-    assert one[-6:] == ["-m", "crossfed", "site", "run", "--site", "lumi"]
+    assert one[-7:] == ["-m", "--", "crossfed", "site", "run", "--site", "lumi"]
     assert "--nproc-per-node=4" in one
     many = torchrun_argv(8, ["site", "run"], nnodes=2, rdzv_endpoint="nid001:29500")
     assert "--rdzv-endpoint=nid001:29500" in many and "--nnodes=2" in many
     with pytest.raises(DistributedError, match="rendezvous"):
         torchrun_argv(8, ["site", "run"], nnodes=2)
+
+
+def test_torchrun_hands_crossfed_its_own_options() -> None:
+    """torchrun's parser passes crossfed's arguments through, `--log` first (the rules' order)."""
+    from torch.distributed.run import get_args_parser
+
+    argv = ["--log", "results/logs/train/lumi-job1.log", "site", "run", "--site", "lumi"]
+    cmd = torchrun_argv(2, argv)
+    assert cmd[0] == "torchrun"
+    parsed = get_args_parser().parse_args(cmd[1:])
+    assert parsed.module and parsed.training_script == "crossfed"
+    assert parsed.training_script_args == argv
+    assert parsed.nproc_per_node == "2"
 
 
 def test_the_evaluation_device_resolves_or_fails_naming_the_setting(tmp_path: Path) -> None:

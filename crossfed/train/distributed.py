@@ -276,7 +276,9 @@ def torchrun_argv(
         if not rdzv_endpoint:
             raise DistributedError("a multi-node torchrun needs a rendezvous endpoint host:port")
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-    return [*cmd, f"--nproc-per-node={nproc}", "-m", "crossfed", *argv]
+    # `--` ends torchrun's own options: its parser would otherwise take crossfed's `--log`
+    # for an ambiguous abbreviation of `--log-dir`/`--logs-specs` and refuse the command
+    return [*cmd, f"--nproc-per-node={nproc}", "-m", "--", "crossfed", *argv]
 
 
 def python_torchrun() -> str:
