@@ -215,7 +215,6 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     from crossfed.launch import run_spec
 
     config = _config(args)
-    spec = run_spec(config, load_sites(config))
     client = client_for(config, "admin")
     if args.resume_only:
         try:
@@ -225,6 +224,7 @@ def cmd_run_init(args: argparse.Namespace) -> int:
                 raise
             print("no run on the coordinator yet; the workflow's init_run job creates it")
             return 0
+    spec = run_spec(config, load_sites(config))
     try:
         reply = client.init_run(spec.to_dict())
     except Refused as exc:

@@ -55,13 +55,13 @@ def data_changes(config: Mapping[str, Any]) -> list[str]:
         for key, value in wanted.items()
         if key != "python" and had.get(key) != value
     ]
-    if inputs and had.get("corpus") == "inputs":
+    if inputs:
         try:
             names = [p.name for p in resolve_inputs([Path(p) for p in inputs])]
         except CorpusError as exc:
             changes.append(f"data.inputs: {exc}")
         else:
-            if names != meta.get("source"):
+            if had.get("corpus") == "inputs" and names != meta.get("source"):
                 changes.append(
                     f"data.inputs: prepared from {_few(meta.get('source', []))}, config gives "
                     f"{_few(names)}"
@@ -114,7 +114,8 @@ def check_rerun(config: Mapping[str, Any], sites: Mapping[str, Mapping[str, Any]
     if config["rounds"] < done:
         raise ConfigError(
             f"rounds: {config['rounds']}, but this run has closed {done} rounds already "
-            f"(results/rounds/*/merge.json); a run can be extended, not shortened"
+            f"(results/rounds/*/merge.json); a run can be extended, not shortened. Nothing "
+            f"was changed; give rounds >= {done}"
         )
 
 
