@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -93,8 +94,10 @@ def user_edits(site: Path, cluster: SlurmTestCluster, url: str, image: Path) -> 
     """The README's "edit ..." steps, filled in for the test cluster and a tiny run."""
 
     def profile(p: dict) -> None:
+        # evaluation on a GPU partition the site does not train on (LUMI: small-g); data
+        # preparation stays on the CPU partition (LUMI-C small, here: small)
         p["default-resources"].update(
-            slurm_account=cluster.account, slurm_partition="small", mem_mb=500, cpus_per_task=1
+            slurm_account=cluster.account, slurm_partition="snellius", mem_mb=500, cpus_per_task=1
         )
         p["set-resources"]["prepare_data"].update(cpus_per_task=1, mem_mb=500, runtime=10)
         p["set-resources"]["train_job"].update(cpus_per_task=1, mem_mb=500)
@@ -249,9 +252,15 @@ def run_site(site, vm, cluster, tmp_path, url, init, secrets, vm_env, image) -> 
     proc = subprocess.Popen(
         ["/bin/bash", "-c", f"{token} && {run}"], cwd=site, env=site_env,
         stdout=open(tmp_path / "site.out", "wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
     )  # fmt: skip
-    written = wait_for_config(site / CONFIG, proc)
-    rc = proc.wait(timeout=900)
+    try:
+        written = wait_for_config(site / CONFIG, proc)
+        rc = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # only on a failure above: leave no workflow
+            proc.wait(timeout=120)
     out = (tmp_path / "site.out").read_text()
     assert rc == 0, out[-8000:]
     final = json.loads((site / "results" / "metrics" / "final.json").read_text())
