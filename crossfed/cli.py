@@ -429,10 +429,10 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write a global model in the Hugging Face layout (safetensors + config.json)."""
+    """Write a global model in the Hugging Face layout, as ``save_pretrained`` would."""
     from safetensors.torch import load_file
 
-    from crossfed.train.export import export_hf
+    from crossfed.train.export import ExportError, export_hf
     from crossfed.train.windows import read_meta
 
     config = _config(args)
@@ -448,15 +448,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not model.exists():
         raise ConfigError(f"model file not found: {model}")
     data = Path(config["data"]["dir"])
-    out = export_hf(
-        load_file(str(model)),
-        config["model"]["flavour"],
-        int(read_meta(data)["vocab_size"]),
-        Path(args.out),
-        dtype=args.dtype,
-        tokenizer=data / "tokenizer.json",
+    meta = read_meta(data)
+    tokenizer = data / "tokenizer.json"
+    try:
+        out = export_hf(
+            load_file(str(model)),
+            config["model"]["flavour"],
+            int(meta["vocab_size"]),
+            Path(args.out),
+            seq_len=int(meta["seq_len"]),
+            eos_id=int(meta["eos_id"]),
+            dtype=args.dtype,
+            tokenizer=tokenizer if tokenizer.exists() else None,
+        )
+    except ExportError as exc:
+        raise ConfigError(str(exc)) from exc
+    print(
+        f"exported {model} as a Hugging Face Qwen3 model to {out} (context {meta['seq_len']}, "
+        f"eos id {meta['eos_id']}); load it with AutoModelForCausalLM.from_pretrained({str(out)!r})"
     )
-    print(f"exported {model} as a Hugging Face Qwen3 model to {out}")
     return 0
 
 
