@@ -6,13 +6,19 @@ STAMP := $(VENV)/.crossfed-installed
 
 .PHONY: run test setup system-deps lint bench clean
 
+# pip's output (and any build warnings) goes to $(INSTALL_LOG); a failure prints its tail
+INSTALL_LOG := $(VENV)/install.log
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# CPU build from local disk on this kind of machine; GPU sites install their own torch first
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	@echo "crossfed: installing into $(VENV) (log: $(INSTALL_LOG))"
+	@$(PYTHON) -m venv $(VENV)
+	@: > $(INSTALL_LOG)
+	@# CPU build from local disk on this kind of machine; GPU sites install their own torch first
+	@$(PIP) --upgrade pip >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }
+	@$(PIP) torch==2.13.0 >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }
+	@$(PIP) -e '.[test]' >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }
+	@touch $(STAMP)
 
 setup: $(STAMP)
 

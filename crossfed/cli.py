@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -36,6 +37,16 @@ class _Tee(io.TextIOBase):
         if not self._log.closed:
             self._log.flush()
 
+    @property
+    def stream(self) -> TextIO:
+        """The terminal's stream alone."""
+        return self._stream
+
+    @property
+    def log(self) -> TextIO:
+        """The log file alone (writes after it closed are dropped)."""
+        return _Tee(_Discard(), self._log)  # type: ignore[return-value]
+
     def fileno(self) -> int:  # subprocesses inherit the terminal's stream
         return self._stream.fileno()
 
@@ -45,6 +56,13 @@ class _Tee(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self._stream, "encoding", None) or "utf-8"
+
+
+class _Discard(io.TextIOBase):
+    """A stream that keeps nothing (the terminal side of a log-only stream)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
 
 
 @contextlib.contextmanager
@@ -76,14 +94,37 @@ def _log_file(argv: list[str] | None) -> str | None:
     return known.log
 
 
+class _ForTerminal(logging.Filter):
+    """Under ``--log``: the terminal gets progress lines (``crossfed.console``) and warnings."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name == "crossfed.console" or record.levelno >= logging.WARNING
+
+
+class _LineFormatter(logging.Formatter):
+    """Progress lines as ``HH:MM:SS <line>``; every other record with its level and logger."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "crossfed.console":
+            return f"{self.formatTime(record, self.datefmt)} {record.getMessage()}"
+        return super().format(record)
+
+
 def _setup_logging(verbose: bool = False) -> None:
-    """Log lines to stderr (which ``--log`` tees to the log file)."""
+    """Log lines to stderr; under ``--log`` every line to the log file and only progress
+    lines and warnings to the terminal (the rule log keeps the rest)."""
+    fmt = _LineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    if isinstance(sys.stderr, _Tee):
+        to_log = logging.StreamHandler(sys.stderr.log)
+        to_terminal = logging.StreamHandler(sys.stderr.stream)
+        to_terminal.addFilter(_ForTerminal())
+        handlers: list[logging.Handler] = [to_log, to_terminal]
+    else:
+        handlers = [logging.StreamHandler(sys.stderr)]
+    for handler in handlers:
+        handler.setFormatter(fmt)
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stderr)],
-        force=True,
+        level=logging.DEBUG if verbose else logging.INFO, handlers=handlers, force=True
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -146,6 +187,53 @@ def cmd_coordinator_stop(args: argparse.Namespace) -> int:
     config = _config(args)
     if config["coordinator"]["url"] == "embedded" and stop_embedded(config):
         print("crossfed coordinator stopped")
+    return 0
+
+
+def secrets_problem(data: Any) -> str | None:
+    """What keeps a parsed secrets file from being extended (None: nothing)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        return f"a mapping with 'admin' and 'sites' expected, found a {type(data).__name__}"
+    if "admin" in data and not isinstance(data["admin"], str):
+        return "'admin' must be a token (a string)"
+    sites = data.get("sites", {})
+    if not isinstance(sites, dict):
+        return "'sites' must map site names to tokens"
+    bad = [name for name, token in sites.items() if not isinstance(token, str)]
+    return f"the tokens of sites {bad} are not strings" if bad else None
+
+
+def cmd_coordinator_secrets(args: argparse.Namespace) -> int:
+    """Write (or extend) the coordinator's secrets file: an admin token, one token per site."""
+    import yaml
+
+    from crossfed.coordinator.embedded import ensure_secrets
+
+    path = Path(args.out)
+    sites = list(dict.fromkeys(args.site or list(load_sites(_config(args)))))
+    try:
+        existing = yaml.safe_load(path.read_text()) if path.exists() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not YAML ({exc}); left as it is") from exc
+    problem = secrets_problem(existing)
+    if problem:
+        raise ConfigError(f"{path}: {problem}; left as it is")
+    had = set((existing or {}).get("sites") or {}) | ({"admin"} & set(existing or {}))
+    data = ensure_secrets(path, sites)
+    if path.stat().st_mode & 0o077:  # an older file others can read
+        os.chmod(path, 0o600)
+        print(f"{path}: made readable by its owner only (mode 0600)")
+    new = [who for who in ["admin", *sites] if who not in had]
+    print(
+        f"{path} (mode 0600): tokens for admin and sites {', '.join(data['sites'])}; "
+        + (f"new: {', '.join(new)}" if new else "nothing new, every token kept")
+    )
+    print(
+        "give each site only its own token (sites.<site> in the file) as CROSSFED_TOKEN; the "
+        "admin token creates the run"
+    )
     return 0
 
 
@@ -224,6 +312,10 @@ def cmd_run_init(args: argparse.Namespace) -> int:
                 raise
             print("no run on the coordinator yet; the workflow's init_run job creates it")
             return 0
+        if not (Path(config["data"]["dir"]) / "meta.json").exists():
+            # a site that joins a run the operator created: its data job comes first
+            print("this site's data are not prepared yet; the workflow's init_run job joins")
+            return 0
     spec = run_spec(config, load_sites(config))
     try:
         reply = client.init_run(spec.to_dict())
@@ -245,7 +337,54 @@ def cmd_run_init(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- sites
+def _closed_round(config: dict[str, Any], site: str, round_no: int) -> dict[str, Any] | None:
+    """A ``missed`` outcome when the coordinator has closed ``round_no`` already, else None.
+
+    A late site's workflow has a job for every round before the one it joins; those end
+    here at once, before torch is imported. A job with a checkpointed, unsent delta goes on
+    to the site loop, which resends it (idempotent) whatever the round's state, and so does
+    a job whose status request fails (the site loop retries and reports).
+    """
+    import httpx
+
+    from crossfed.coordinator.embedded import EndpointError, coordinator_url, token_for
+
+    if (Path(config["results"]) / "sites" / site / "pending.json").exists():
+        return None
+    try:
+        reply = httpx.get(
+            f"{coordinator_url(config)}/v1/status",
+            headers={"Authorization": f"Bearer {token_for(config, site)}"},
+            timeout=30,
+        )
+        current = int(reply.json()["round"]) if reply.status_code == 200 else None
+    except (httpx.HTTPError, EndpointError, ValueError, KeyError, TypeError):
+        current = None
+    if current is None or current <= round_no:
+        return None
+    return {
+        "site": site,
+        "round": round_no,
+        "status": "missed",
+        "detail": f"round {round_no} closed; coordinator is at round {current}",
+        "steps": 0,
+        "tokens": 0,
+        "compute_s": 0.0,
+        "overhead_s": 0.0,
+    }
+
+
 def cmd_site_run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    sites = load_sites(config)
+    if args.site not in sites:
+        raise ConfigError(f"unknown site {args.site!r}; sites are {list(sites)}")
+    if args.round is not None:
+        missed = _closed_round(config, args.site, args.round)
+        if missed is not None:
+            _write_json(args.out, missed)
+            print(f"[{args.site} r{args.round}] missed: {missed['detail']}")
+            return 0
     import torch
 
     from crossfed.coordinator.embedded import client_for
@@ -260,10 +399,6 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     from crossfed.transport import keep_stream_buffers_in_heap
 
     keep_stream_buffers_in_heap()
-    config = _config(args)
-    sites = load_sites(config)
-    if args.site not in sites:
-        raise ConfigError(f"unknown site {args.site!r}; sites are {list(sites)}")
     torch.set_num_threads(args.threads)
     if args.round is None:
         return _site_chain(args, config)
@@ -297,9 +432,13 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     _write_json(args.out, asdict(outcome))
+    from crossfed.progress import mfu_text
+
+    loss = "n/a" if outcome.loss_mean is None else f"{outcome.loss_mean:.4f}"
     print(
-        f"[{args.site} r{args.round}] {outcome.status}: {outcome.tokens} tokens, "
-        f"loss {outcome.loss_mean}, {outcome.tokens_per_s:.0f} tok/s {outcome.detail}"
+        f"{args.site:<10} round {args.round}/{config['rounds']}  {outcome.status}: "
+        f"{outcome.tokens:,} tokens, loss {loss}, {outcome.tokens_per_s:,.0f} tok/s, "
+        f"MFU {mfu_text(outcome.mfu)} {outcome.detail}".rstrip()
     )
     return 0
 
@@ -353,10 +492,11 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
             break
         seen = (len(info["deltas"]),)
         if seen != last:
-            print(
-                f"round {args.round}: open, {len(info['deltas'])} deltas in "
-                f"({', '.join(d['site'] for d in info['deltas']) or 'none yet'})",
-                flush=True,
+            logging.getLogger("crossfed.round").info(
+                "round %d: open, %d deltas in (%s)",
+                args.round,
+                len(info["deltas"]),
+                ", ".join(d["site"] for d in info["deltas"]) or "none yet",
             )
             last = seen
         if deadline and time.monotonic() > deadline:
@@ -365,15 +505,30 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
         time.sleep(delay)
         delay = min(delay * 1.5, 2.0)
     report = info["report"]
-    print(
-        f"round {args.round} closed ({report['reason']}): {', '.join(report['contributors'])}, "
-        f"{report['tokens']} tokens, generation {report['generation']}, "
-        f"merge {report['merge_s']:.2f}s"
+    logging.getLogger("crossfed.round").info(
+        "round %d closed (%s): %s, %d tokens, generation %d, merge %.2fs",
+        args.round,
+        report["reason"],
+        ", ".join(report["contributors"]),
+        report["tokens"],
+        report["generation"],
+        report["merge_s"],
     )
+    _round_progress(config, info)
     if args.model_out:  # secure the new global model now: the coordinator keeps only a few
         _secure_model(config, client, report["generation"], Path(args.model_out))
     _write_json(args.out, info)
     return 0
+
+
+def _round_progress(config: dict[str, Any], info: dict[str, Any]) -> None:
+    """The run-level progress line of a closed round: round k of N and the run's ETA."""
+    from crossfed.progress import CONSOLE, closed_round_seconds, round_line
+
+    results = Path(config["results"])
+    earlier = closed_round_seconds(results, before=info["round_no"])
+    seconds = [*earlier, info["closed_at"] - info["opened_at"]]
+    CONSOLE.info(round_line(info, config["rounds"], seconds, time.time()))
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
@@ -410,9 +565,16 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         device=device,
     )
     eval_s = time.perf_counter() - t1
-    print(
-        f"generation {args.generation}: held-out loss {loss:.4f}, perplexity {ppl:.2f} "
-        f"({device}, {eval_s:.1f}s)"
+    from crossfed.progress import CONSOLE
+
+    CONSOLE.info(
+        "round %d/%d global model: held-out loss %.4f, perplexity %.2f (%s, %.1fs)",
+        args.generation,
+        config["rounds"],
+        loss,
+        ppl,
+        device,
+        eval_s,
     )
     _write_json(
         args.out,
@@ -494,36 +656,103 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from crossfed.coordinator.embedded import client_for
+#: the --config default of the reading commands (status, report)
+DEFAULT_CONFIG = "config/config.yaml"
 
+
+def _effective_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run config; with ``--config`` left at its default, the effective config the
+    workflow wrote (``<results>/.crossfed/config.yaml``: the profile's and ``--config``
+    overrides included) where it exists. ``--set`` applies on top either way."""
     config = _config(args)
-    status = client_for(config, "admin").status()
+    if args.config in (None, DEFAULT_CONFIG):
+        written = Path(config["results"]) / ".crossfed" / "config.yaml"
+        if written.exists():
+            return _config(argparse.Namespace(**{**vars(args), "config": str(written)}))
+    return config
+
+
+def _admin_read(config: dict[str, Any], live: Any, stopped: Any) -> tuple[Any, bool]:
+    """``live(client)`` from the running coordinator, else ``stopped(state_dir)`` from the
+    state directory it left (an embedded coordinator that has stopped, or one out of reach
+    whose state is on this machine). Returns the answer and whether it was live."""
+    from crossfed.coordinator.client import Unreachable
+    from crossfed.coordinator.embedded import EndpointError, client_for
+    from crossfed.coordinator.service import CoordinatorError
+
+    state_dir = Path(config["coordinator"]["state_dir"])
+    quick = {"retry_budget_s": 3.0} if config["coordinator"]["url"] == "embedded" else {}
+    try:
+        return live(client_for(config, "admin", **quick)), True
+    except (EndpointError, Unreachable) as exc:
+        if not (state_dir / "state.sqlite").exists():
+            raise
+        logging.getLogger(__name__).debug(
+            "coordinator not answering (%s); reading %s", exc, state_dir
+        )
+    try:
+        return stopped(state_dir), False
+    except CoordinatorError as exc:
+        raise ConfigError(exc.message) from exc
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Round k of N, the last held-out perplexity, an ETA and the leases (live or stopped)."""
+    from crossfed.coordinator.service import read_status
+    from crossfed.progress import closed_round_seconds, evaluations, progress_lines, run_progress
+
+    config = _effective_config(args)
+    status, live = _admin_read(config, lambda client: client.status(), read_status)
+    results = Path(config["results"])
+    seconds = closed_round_seconds(results, before=status["round"])
+    closes = [
+        json.loads(p.read_text()).get("closed_at") or 0.0
+        for p in results.glob("rounds/*/merge.json")
+    ]
+    open_since = max(closes) if live and closes else None
+    progress = run_progress(
+        status, config["rounds"], seconds, evaluations(results), open_since, time.time()
+    )
     if args.json:
-        _write_json(None, status)
+        _write_json(None, {**status, "live": live, "progress": progress})
         return 0
+    state = config["coordinator"]["state_dir"]
+    where = "coordinator live" if live else f"coordinator stopped; read from {state}"
+    print(f"run {config['run_name']} ({where})")
+    for line in progress_lines(progress, live):
+        print(line)
     print(
-        f"round {status['round']}  generation {status['generation']}  global step "
-        f"{status['global_step']}  epoch {status['epoch']}  committed "
-        f"{status['blocks_committed_in_epoch']}/{status['blocks_total']} blocks"
+        f"generation {status['generation']}  global step {status['global_step']}  epoch "
+        f"{status['epoch']}  committed {status['blocks_committed_in_epoch']}/"
+        f"{status['blocks_total']} blocks"
     )
     for lease in status["active_leases"]:
+        left = lease["expires_at"] - time.time()
+        expiry = f"expires in {left:.0f}s" if left > 0 else "expired"
         print(
             f"  lease {lease['lease_id']:>5} {lease['site']:<10} round {lease['round']} "
-            f"{lease['consumed']}/{lease['n_blocks']} blocks, expires in "
-            f"{lease['expires_at'] - time.time():.0f}s"
+            f"{lease['consumed']}/{lease['n_blocks']} blocks, {expiry}"
         )
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """The report's tables and plots, from the running coordinator or its state directory."""
+    from crossfed.coordinator.service import read_ledger
     from crossfed.report import write_report
 
-    config = _config(args)
-    summary = write_report(config, list(load_sites(config)), Path(config["results"]))
-    print(
-        f"final held-out perplexity {summary['val_perplexity']:.2f} after {summary['rounds']} "
-        f"rounds, {summary['tokens']} tokens from {', '.join(summary['sites'])}"
+    config = _effective_config(args)
+    ledger, _ = _admin_read(config, lambda client: client.ledger(), read_ledger)
+    summary = write_report(config, list(load_sites(config)), Path(config["results"]), ledger)
+    from crossfed.progress import CONSOLE
+
+    CONSOLE.info(
+        "final held-out perplexity %.2f after %d rounds (%.2f at round 0), %s tokens from %s",
+        summary["val_perplexity"],
+        summary["rounds"],
+        summary["initial_val_perplexity"],
+        f"{summary['tokens']:,}",
+        ", ".join(summary["sites"]),
     )
     print(f"metrics: {Path(config['results']) / 'metrics' / 'final.json'}")
     return 0
@@ -540,6 +769,41 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written; an option's default after its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        shown = default is not None and default is not False and default is not argparse.SUPPRESS
+        if shown and action.option_strings and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """crossfed's parsers (subcommands' too): descriptions and examples kept as written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _examples(*lines: str) -> str:
+    """An epilog of example command lines."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _group(sub: argparse._SubParsersAction, name: str, text: str, *examples: str) -> Any:
+    """A command with subcommands; without one it prints its help."""
+    parser = sub.add_parser(
+        name, help=text, description=text[:1].upper() + text[1:] + ".",
+        epilog=_examples(*examples),
+    )  # fmt: skip
+    parser.set_defaults(func=None, help_of=parser)
+    return parser.add_subparsers(dest="action", metavar="ACTION", title="actions")
+
+
 def _last_round(text: str) -> int | str:
     if text == "run":
         return text
@@ -547,6 +811,15 @@ def _last_round(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a round number or 'run'") from None
+
+
+def _site_name(text: str) -> str:
+    if text == "admin" or not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a site name (lower-case letter, then up to 31 of a-z 0-9 _ -; "
+            "not 'admin')"
+        )
+    return text
 
 
 def _positive_seconds(text: str) -> float:
@@ -560,25 +833,57 @@ def _positive_seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``crossfed`` parser: every subcommand, each with a description and an example."""
+    from crossfed import __version__
+
+    parser = _Parser(
         prog="crossfed",
-        description="Pool Slurm allocations from several supercomputers into one pre-training run.",
+        description="Pool Slurm allocations from several supercomputers into one pre-training "
+        "run.\n\nThe workflow (make run, or snakemake --profile <site>) calls these commands in "
+        "its rules;\nthey also work by hand. Without a command crossfed prints this help.",
+        epilog=_examples(
+            "crossfed data prepare --config config/config.yaml",
+            "crossfed coordinator secrets --out secrets.yaml --site lumi --site snellius",
+            "crossfed status --config config/config.yaml",
+            "crossfed export --config config/config.yaml --out hf-model",
+            "crossfed COMMAND --help       # what a command does, its options and an example",
+        ),
     )
+    parser.add_argument("--version", action="version", version=f"crossfed {__version__}")
     parser.add_argument(
         "--log", help="also write everything the command says (output, errors) to this file"
     )
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
+    parser.set_defaults(func=None, help_of=parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    coord = sub.add_parser("coordinator", help="run or control the coordinator service")
-    csub = coord.add_subparsers(dest="action", required=True)
-    serve = csub.add_parser("serve", help="serve the coordinator HTTP API (foreground)")
+    csub = _group(
+        sub, "coordinator", "run the coordinator, start or stop the embedded one, write secrets",
+        "crossfed coordinator secrets --out secrets.yaml --site lumi --site snellius",
+        "crossfed coordinator serve --state-dir state --secrets secrets.yaml --port 8470",
+        "crossfed coordinator start --config config/config.yaml",
+    )  # fmt: skip
+    serve = csub.add_parser(
+        "serve",
+        help="serve the coordinator HTTP API (foreground)",
+        description="Serve the coordinator's HTTP API in the foreground: the run's ledger, "
+        "leases, rounds and global\nmodels, for every site (on the coordinator VM, or the "
+        "embedded one the workflow starts).",
+        epilog=_examples(
+            "crossfed coordinator serve --state-dir state --secrets secrets.yaml \\",
+            "    --host 0.0.0.0 --port 443 --ssl-certfile fullchain.pem --ssl-keyfile privkey.pem",
+        ),
+    )
     serve.add_argument(
         "--state-dir", required=True, help="SQLite ledger, blobs and models live here"
     )
-    serve.add_argument("--secrets", required=True, help="YAML with 'admin' and per-site tokens")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8470)
+    serve.add_argument(
+        "--secrets",
+        required=True,
+        help="YAML with 'admin' and per-site tokens (crossfed coordinator secrets writes it)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    serve.add_argument("--port", type=int, default=8470, help="TCP port to listen on")
     serve.add_argument(
         "--max-request-s",
         type=_positive_seconds,
@@ -591,22 +896,63 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint the DARL lease book every N ledger events, so a restart replays "
         "only the events since (default: 10000; 0: never)",
     )
-    serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
-    serve.add_argument("--ssl-keyfile")
+    serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    serve.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
     serve.set_defaults(func=cmd_coordinator_serve)
     for name, func, text in (
-        ("start", cmd_coordinator_start, "start the embedded coordinator"),
+        ("start", cmd_coordinator_start, "start the embedded coordinator on loopback"),
         ("stop", cmd_coordinator_stop, "stop the embedded coordinator"),
     ):
-        p = csub.add_parser(name, help=text)
+        p = csub.add_parser(
+            name,
+            help=text,
+            description=f"{text[:1].upper()}{text[1:]} (the workflow's onstart/onsuccess hooks do "
+            "this); nothing to do when\nthe config's coordinator.url names a remote coordinator.",
+            epilog=_examples(f"crossfed coordinator {name} --config config/config.yaml"),
+        )
         _add_config(p)
         p.set_defaults(func=func)
+    secrets = csub.add_parser(
+        "secrets",
+        help="write the secrets file: an admin token and one token per site",
+        description="Write the coordinator's secrets file (mode 0600): a random admin token and "
+        "one per site.\nAn existing file is extended: tokens it has are kept, sites it lacks get "
+        "one. Without --site\nthe sites are the run config's (its sites_file).",
+        epilog=_examples(
+            "crossfed coordinator secrets --out secrets.yaml --site snellius --site lumi "
+            "--site frontier",
+            "crossfed coordinator secrets --out secrets.yaml --config config/config.yaml",
+        ),
+    )
+    secrets.add_argument("--out", required=True, help="the secrets file to write or extend")
+    secrets.add_argument(
+        "--site",
+        action="append",
+        type=_site_name,
+        help="a site that gets a token (repeatable; default: the run config's sites)",
+    )
+    _add_config(secrets)
+    secrets.set_defaults(func=cmd_coordinator_secrets)
 
-    run = sub.add_parser("run", help="create or resume the run on the coordinator")
-    rsub = run.add_subparsers(dest="action", required=True)
-    init = rsub.add_parser("init", help="create the run (idempotent) from config and data meta")
+    rsub = _group(
+        sub, "run", "create, resume or extend the run on the coordinator",
+        "CROSSFED_TOKEN=<admin token> crossfed run init --config config/config.yaml --out run.json",
+    )  # fmt: skip
+    init = rsub.add_parser(
+        "init",
+        help="create the run (idempotent) from config and data meta",
+        description="Create the run on the coordinator from the run config and the data's "
+        "meta.json; a run it already\nhas is resumed, or extended when the config has more "
+        "rounds. With a site's token the site\njoins the run the operator created (the data "
+        "must match).",
+        epilog=_examples(
+            "CROSSFED_TOKEN=<admin token> crossfed run init --config config/config.yaml "
+            "--out run.json",
+            "crossfed run init --config config/config.yaml --resume-only",
+        ),
+    )
     _add_config(init)
-    init.add_argument("--out")
+    init.add_argument("--out", help="write the run description and the reply (JSON) here")
     init.add_argument("--model-out", help="also download the initial model (generation 0)")
     init.add_argument(
         "--resume-only",
@@ -616,11 +962,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     init.set_defaults(func=cmd_run_init)
 
-    site = sub.add_parser("site", help="site jobs")
-    ssub = site.add_subparsers(dest="action", required=True)
-    srun = ssub.add_parser("run", help="train one outer round as a site")
+    ssub = _group(
+        sub, "site", "a site's training jobs",
+        "crossfed site run --config config/config.yaml --site lumi --round 1",
+    )  # fmt: skip
+    srun = ssub.add_parser(
+        "run",
+        help="train outer rounds as a site (one, or a chain in one allocation)",
+        description="Train as a site: lease blocks from the coordinator, run H inner steps, "
+        "send the delta.\n--round trains one outer round; --through-round trains rounds back "
+        "to back in one\nallocation (a Slurm chain job).",
+        epilog=_examples(
+            "crossfed site run --config config/config.yaml --site lumi --round 3 \\",
+            "    --plan results/rounds/3/plan.json --out results/rounds/3/train/lumi.json",
+            "crossfed site run --config config/config.yaml --site lumi --through-round run \\",
+            "    --until-walltime auto --out outcome.json",
+        ),
+    )
     _add_config(srun)
-    srun.add_argument("--site", required=True)
+    srun.add_argument("--site", required=True, help="this site's name in the sites file")
     which = srun.add_mutually_exclusive_group(required=True)
     which.add_argument("--round", type=int, help="train this one outer round")
     which.add_argument(
@@ -641,52 +1001,130 @@ def build_parser() -> argparse.ArgumentParser:
         "<results>/rounds/{round}/train/<site>.json)",
     )
     srun.add_argument("--plan", help="plan JSON (accumulation, whether to submit)")
-    srun.add_argument("--threads", type=int, default=1)
-    srun.add_argument("--out")
+    srun.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
+    srun.add_argument("--out", help="write the outcome (JSON) here")
     srun.set_defaults(func=cmd_site_run)
 
-    rnd = sub.add_parser("round", help="outer rounds")
-    rdsub = rnd.add_subparsers(dest="action", required=True)
-    wait = rdsub.add_parser("wait", help="wait until the coordinator closes a round")
+    rdsub = _group(
+        sub, "round", "outer rounds",
+        "crossfed round wait --config config/config.yaml --round 3 --timeout-s 3600",
+    )  # fmt: skip
+    wait = rdsub.add_parser(
+        "wait",
+        help="wait until the coordinator closes a round",
+        description="Wait until the coordinator closes a round (every site in, or the "
+        "stragglers' leases expired)\nand applies the outer step; print who contributed, and "
+        "keep the new global model.",
+        epilog=_examples(
+            "crossfed round wait --config config/config.yaml --round 3 \\",
+            "    --model-out results/checkpoints/global-3.safetensors",
+        ),
+    )
     _add_config(wait)
-    wait.add_argument("--round", type=int, required=True)
-    wait.add_argument("--timeout-s", type=float, default=0.0)
-    wait.add_argument("--out")
+    wait.add_argument("--round", type=int, required=True, help="the round to wait for")
+    wait.add_argument(
+        "--timeout-s",
+        type=float,
+        default=0.0,
+        help="give up (exit 3) after this many seconds; 0: wait until it closes (default: 0)",
+    )
+    wait.add_argument("--out", help="write the closed round's report (JSON) here")
     wait.add_argument("--model-out", help="also download the global model the round produced")
     wait.set_defaults(func=cmd_round_wait)
 
-    ckpt = sub.add_parser("checkpoint", help="pull a global model and evaluate it")
+    ckpt = sub.add_parser(
+        "checkpoint",
+        help="pull a global model and evaluate it",
+        description="Download a generation's global model and measure its held-out loss and "
+        "perplexity\n(eval.max_windows windows of the validation split, on eval.device).",
+        epilog=_examples(
+            "crossfed checkpoint --config config/config.yaml --generation 3 \\",
+            "    --model-out results/checkpoints/global-3.safetensors --out eval.json",
+        ),
+    )
     _add_config(ckpt)
-    ckpt.add_argument("--generation", type=int, required=True)
-    ckpt.add_argument("--model-out", required=True)
-    ckpt.add_argument("--threads", type=int, default=1)
-    ckpt.add_argument("--out")
+    ckpt.add_argument(
+        "--generation",
+        type=int,
+        required=True,
+        help="the global model's generation: the round that made it (0: the initial model)",
+    )
+    ckpt.add_argument("--model-out", required=True, help="where to keep the model (safetensors)")
+    ckpt.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
+    ckpt.add_argument("--out", help="write the evaluation (JSON) here (default: print it)")
     ckpt.set_defaults(func=cmd_checkpoint)
 
-    export = sub.add_parser("export", help="a global model in Hugging Face format")
+    export = sub.add_parser(
+        "export",
+        help="a global model in Hugging Face format",
+        description="Write a global model as a Hugging Face Qwen3 checkpoint, the files "
+        "save_pretrained writes:\nmodel.safetensors, config.json, generation_config.json "
+        "(generate stops at end of text),\ntokenizer.json and tokenizer_config.json "
+        "(model_max_length: the trained seq_len).\ntransformers' AutoModelForCausalLM and "
+        "AutoTokenizer load the folder.",
+        epilog=_examples(
+            "crossfed export --config config/config.yaml --out hf-model",
+            "crossfed export --model results/checkpoints/global-4.safetensors --out hf-model-4 "
+            "--dtype float32",
+        ),
+    )
     _add_config(export)
     export.add_argument("--model", help="global model safetensors (default: the newest checkpoint)")
     export.add_argument("--out", required=True, help="output directory")
-    export.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    export.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="dtype of the exported weights",
+    )
     export.set_defaults(func=cmd_export)
 
-    ledger = sub.add_parser("ledger", help="the DARL ledger (paper Table 3)")
+    ledger = sub.add_parser(
+        "ledger",
+        help="the DARL ledger (paper Table 3)",
+        description="Print the DARL ledger: every lease, commit and expiry, from the running "
+        "coordinator or,\nwhen it has stopped, from its state directory.",
+        epilog=_examples(
+            "crossfed ledger --config config/config.yaml",
+            "crossfed ledger --config config/config.yaml --format csv --out ledger.csv",
+        ),
+    )
     _add_config(ledger)
-    ledger.add_argument("--format", choices=["table", "csv"], default="table")
+    ledger.add_argument(
+        "--format", choices=["table", "csv"], default="table", help="how to print it"
+    )
     ledger.add_argument("--out", help="also write CSV here")
     ledger.set_defaults(func=cmd_ledger)
 
-    status = sub.add_parser("status", help="round, generation and live leases")
+    status = sub.add_parser(
+        "status",
+        help="round, generation and live leases",
+        description="Print where the run stands: round, generation, global step, committed "
+        "blocks and live leases.",
+        epilog=_examples(
+            "crossfed status --config config/config.yaml",
+            "crossfed status --config config/config.yaml --json",
+        ),
+    )
     _add_config(status)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)
 
-    report = sub.add_parser("report", help="final metrics, tables and plots")
+    report = sub.add_parser(
+        "report",
+        help="final metrics, tables and plots",
+        description="Write the run's final metrics (metrics/final.json), per-round and per-site "
+        "tables and plots\nunder the config's results directory (the workflow's report rule).",
+        epilog=_examples("crossfed report --config results/.crossfed/config.yaml"),
+    )
     _add_config(report)
     report.set_defaults(func=cmd_report)
 
-    data = sub.add_parser("data", help="data preparation")
-    dsub = data.add_subparsers(dest="action", required=True)
+    dsub = _group(
+        sub, "data", "data preparation",
+        "crossfed data prepare --config config/config.yaml",
+        "crossfed data prepare --out data --input c4/en --tokenizer tokenizer.json",
+    )  # fmt: skip
     from crossfed.train.prepare import add_parser as add_prepare
 
     add_prepare(dsub)
@@ -708,6 +1146,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.func is None:  # `crossfed` or a command group alone: its help, as pip does
+        args.help_of.print_help()
+        return 0
     _setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)

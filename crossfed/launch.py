@@ -79,6 +79,7 @@ def site_settings(
             activation_checkpointing=config["model"]["activation_checkpointing"],
         ),
         checkpoint_every=inner["checkpoint_every"],
+        rounds=config["rounds"],
         lease_wait_s=config["darl"]["initial_ttl_s"]
         + config["round_policy"]["join_window_s"]
         + 30.0,

@@ -59,7 +59,14 @@ def site_table(results: Path) -> pd.DataFrame:
 
 
 def round_table(results: Path, sites: pd.DataFrame) -> pd.DataFrame:
-    """One row per closed round: who contributed, loss, held-out perplexity and time split."""
+    """One row per closed round: who contributed, loss, held-out perplexity and time split.
+
+    The run's figures come from the coordinator's round records (``merge.json``, kept by
+    every site's workflow): contributors, tokens, global step, the round's compute time
+    (its slowest accepted delta's inner phase), merge and checkpoint, open and close times.
+    So every site's table describes the whole run alike. Comms, the sites' own checkpoints
+    and the evaluation are what this workflow's jobs measured (other sites' are private).
+    """
     rows = []
     for merge_path in sorted(results.glob("rounds/*/merge.json")):
         info = _read(merge_path)
@@ -72,7 +79,9 @@ def round_table(results: Path, sites: pd.DataFrame) -> pd.DataFrame:
             if not sites.empty
             else sites
         )
-        compute_s = float(accepted["compute_s"].max()) if len(accepted) else 0.0
+        compute_s = info.get("compute_s")  # older records: this workflow's sites only
+        if compute_s is None:
+            compute_s = float(accepted["compute_s"].max()) if len(accepted) else 0.0
         comms_s = (
             float((accepted["download_s"] + accepted["upload_s"]).mean()) if len(accepted) else 0.0
         )
@@ -110,6 +119,16 @@ def round_table(results: Path, sites: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def contributions(results: Path, site_names: list[str]) -> dict[str, int]:
+    """Rounds each site contributed to, from the coordinator's round records (every site's
+    accepted deltas, not only this workflow's jobs)."""
+    counts = dict.fromkeys(site_names, 0)
+    for merge_path in results.glob("rounds/*/merge.json"):
+        for site in set(_read(merge_path)["report"]["contributors"]):
+            counts[site] = counts.get(site, 0) + 1
+    return counts
+
+
 def check_ledger(ledger: pd.DataFrame) -> None:
     """The paper's Table 3 identity: per-site columns sum to the total row."""
     per_site, total = ledger[ledger["site"] != "total"], ledger[ledger["site"] == "total"]
@@ -142,34 +161,92 @@ def plot_perplexity(rounds: pd.DataFrame, initial: dict[str, Any], path: Path) -
     return path
 
 
+#: A gap this long between a round closing and the workflow probing the next one is a
+#: stopped workflow (an extended or resumed run), not the run: a running workflow probes
+#: as its next job. The wall-clock plot leaves such gaps out.
+IDLE_GAP_S = 60.0
+#: The parts of a round, open to close, in time order: (column, label, colour).
+ROUND_PARTS = [
+    ("until_probe_s", "round open until probed (merge job, workflow stopped)", "#bbbbbb"),
+    ("startup_s", "probe, plan, site jobs starting", "#9467bd"),
+    ("compute_s", "compute (slowest site)", "#1f77b4"),
+    ("comms_s", "comms (weights down + delta up)", "#ff7f0e"),
+    ("checkpoint_s", "checkpoints (sites + coordinator)", "#2ca02c"),
+    ("merge_s", "merge (outer step)", "#d62728"),
+    ("other_s", "other (join window, barrier, stragglers)", "#8c564b"),
+]
+
+
+def round_phases(rounds: pd.DataFrame, results: Path) -> pd.DataFrame:
+    """``rounds`` with the parts of every round's ``round_s`` named (``ROUND_PARTS``, which sum
+    to ``round_s``) and ``idle_s``, the time the workflow was stopped inside the round."""
+    if rounds.empty:
+        return rounds
+    frame = rounds.copy()
+    probed, first_lease = [], []
+    for _, row in frame.iterrows():
+        merge = results / "rounds" / str(int(row["round"])) / "merge.json"
+        info = _read(merge) if merge.exists() else {}
+        first_lease.append(info.get("first_lease_at") or row["opened_at"])
+        probe = results / "rounds" / str(int(row["round"])) / "probe.csv"
+        when = None
+        if probe.exists():
+            times = pd.read_csv(probe)["probed_at"]
+            if len(times):
+                when = pd.to_datetime(times, utc=True, format="ISO8601").min().timestamp()
+        probed.append(when if when is not None else row["opened_at"])
+    opened, closed = frame["opened_at"], frame["closed_at"]
+    probed_at = pd.Series(probed, index=frame.index).clip(lower=opened, upper=closed)
+    lease_at = pd.Series(first_lease, index=frame.index).clip(lower=probed_at, upper=closed)
+    frame["until_probe_s"] = probed_at - opened
+    frame["startup_s"] = lease_at - probed_at
+    named = [c for c, _, _ in ROUND_PARTS if c != "other_s"]
+    frame["other_s"] = (frame["round_s"] - frame[named].sum(axis=1)).clip(lower=0.0)
+    frame["idle_s"] = frame["until_probe_s"].where(frame["until_probe_s"] > IDLE_GAP_S, 0.0)
+    return frame
+
+
 def plot_round_time(rounds: pd.DataFrame, path: Path) -> Path:
-    """Per-round compute vs overhead seconds (paper Fig. 2b / Table 1)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(rounds["round"], rounds["compute_s"], label="compute (slowest site)")
-    ax.bar(
-        rounds["round"],
-        rounds["overhead_s"],
-        bottom=rounds["compute_s"],
-        label="overhead (comms + merge + checkpoint + eval)",
-    )
+    """Every round's wall-clock, open to close, split into named parts (paper Table 1, Fig. 2b)."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = pd.Series(0.0, index=rounds.index)
+    for column, label, colour in ROUND_PARTS:
+        if column in rounds:
+            ax.bar(rounds["round"], rounds[column], bottom=bottom, label=label, color=colour)
+            bottom = bottom + rounds[column]
+    if "round_s" in rounds:
+        ax.scatter(
+            rounds["round"],
+            rounds["round_s"],
+            marker="_",
+            s=300,
+            color="black",
+            label="round_s (open to close)",
+            zorder=3,
+        )
     ax.set_xlabel("outer round")
     ax.set_ylabel("seconds")
-    ax.legend()
+    ax.set_xticks(rounds["round"].tolist())
+    ax.set_title("crossfed: where each round's wall-clock went")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
 def plot_perplexity_wallclock(rounds: pd.DataFrame, initial: dict[str, Any], path: Path) -> Path:
-    """Held-out perplexity against connected wall-clock time (paper Fig. 1b)."""
+    """Held-out perplexity against connected wall-clock time (paper Fig. 1b): the time the
+    workflow was stopped (``idle_s``, between invocations) is left out."""
     start = float(rounds["opened_at"].min()) if len(rounds) else 0.0
-    hours = [0.0] + ((rounds["closed_at"] - start) / 3600.0).tolist()
+    idle = rounds["idle_s"].cumsum() if "idle_s" in rounds else 0.0
+    hours = [0.0] + ((rounds["closed_at"] - start - idle) / 3600.0).tolist()
     ppl = [initial["val_perplexity"]] + rounds["val_perplexity"].tolist()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(hours, ppl, marker="o", label="global model (held-out)")
     ax.set_yscale("log")
-    ax.set_xlabel("wall-clock hours since round 1 opened")
+    ax.set_xlabel("connected wall-clock hours since round 1 opened")
     ax.set_ylabel("held-out perplexity")
     ax.set_title("crossfed: perplexity vs wall-clock")
     ax.grid(True, which="both", alpha=0.3)
@@ -258,7 +335,7 @@ def plot_probe_history(history: pd.DataFrame, path: Path) -> Path:
         ax.legend(fontsize="small")
         fig.autofmt_xdate()
     else:
-        ax.text(0.5, 0.5, "no successful scheduler probes", ha="center", va="center")
+        ax.text(0.5, 0.5, no_probes_reason(history), ha="center", va="center", wrap=True)
         ax.set_axis_off()
     ax.set_title("queue probes")
     fig.tight_layout()
@@ -268,16 +345,65 @@ def plot_probe_history(history: pd.DataFrame, path: Path) -> Path:
     return path
 
 
-def write_report(config: dict[str, Any], site_names: list[str], results: Path) -> dict[str, Any]:
-    """Write metrics/final.json, metrics/rounds.csv, metrics/sites.csv, ledger.csv and plots."""
+def no_probes_reason(history: pd.DataFrame) -> str:
+    """Why the probe plot has no line: no probe ran, or what every probe answered."""
+    if history.empty:
+        return "no scheduler probes were made"
+    reasons = sorted(set(history["reason"].astype(str)))
+    if reasons == ["no_scheduler"]:
+        return (
+            "no queue waits to show: no site of this run has a batch\n"
+            "scheduler (local profile), so every job starts at once"
+        )
+    return "no probe got a start time from its scheduler\n(reasons: " + ", ".join(reasons) + ")"
+
+
+TABLE_CSS = """<style>
+body { font-family: sans-serif; font-size: 13px; margin: 8px; }
+table { border-collapse: collapse; }
+th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: right; white-space: nowrap; }
+th { background: #f2f2f2; position: sticky; top: 0; }
+tr:nth-child(even) td { background: #fafafa; }
+caption { text-align: left; font-weight: bold; padding: 4px 0; }
+</style>"""
+
+
+def table_html(frame: pd.DataFrame, title: str, csv_name: str, path: Path) -> Path:
+    """A table as a standalone HTML page (the report shows it inline; the CSV stays beside)."""
+    body = (
+        frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0)
+        if len(frame)
+        else "<p>(no rows)</p>"
+    )
+    html = (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title>{TABLE_CSS}"
+        f"</head><body><p><b>{title}</b> ({len(frame)} rows; CSV: <code>{csv_name}</code>)</p>"
+        f"{body}</body></html>\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(html)
+    return path
+
+
+def write_report(
+    config: dict[str, Any],
+    site_names: list[str],
+    results: Path,
+    ledger_records: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Write metrics/final.json, metrics/rounds.csv, metrics/sites.csv, ledger.csv, plots and
+    the tables as HTML pages (``report/``); the ledger from the running coordinator unless
+    ``ledger_records`` (e.g. read from a stopped coordinator's state) are given."""
     from crossfed.coordinator.embedded import client_for
 
     metrics = results / "metrics"
     metrics.mkdir(parents=True, exist_ok=True)
     sites = site_table(results)
-    rounds = round_table(results, sites)
+    rounds = round_phases(round_table(results, sites), results)
     initial = _read(results / "rounds" / "0" / "eval.json")
-    ledger = pd.DataFrame(client_for(config, "admin").ledger())[list(TABLE3_COLUMNS)]
+    if ledger_records is None:
+        ledger_records = client_for(config, "admin").ledger()
+    ledger = pd.DataFrame(ledger_records)[list(TABLE3_COLUMNS)]
     check_ledger(ledger)
     ledger.to_csv(results / "ledger.csv", index=False)
     rounds.to_csv(metrics / "rounds.csv", index=False)
@@ -286,8 +412,19 @@ def write_report(config: dict[str, Any], site_names: list[str], results: Path) -
     plot_round_time(rounds, results / "plots" / "round_time.png")
     plot_perplexity_wallclock(rounds, initial, results / "plots" / "perplexity_wallclock.png")
     plot_probe_history(probe_history(results), results / "plots" / "probes.png")
-    plan_table(results).to_csv(metrics / "plans.csv", index=False)
-    chain_table(results).to_csv(metrics / "chains.csv", index=False)
+    plans, chains = plan_table(results), chain_table(results)
+    plans.to_csv(metrics / "plans.csv", index=False)
+    chains.to_csv(metrics / "chains.csv", index=False)
+    pages = results / "report"
+    table_html(ledger, "DARL ledger (Table 3)", "ledger.csv", pages / "ledger.html")
+    table_html(
+        rounds, "Rounds (Table 1 decomposition)", "metrics/rounds.csv", pages / "rounds.html"
+    )
+    table_html(
+        sites, "Site jobs, one row per round and site", "metrics/sites.csv", pages / "sites.html"
+    )
+    table_html(plans, "Placement plans", "metrics/plans.csv", pages / "plans.html")
+    table_html(chains, "Chained Slurm jobs", "metrics/chains.csv", pages / "chains.html")
     last = rounds.iloc[-1]
     summary = {
         "val_perplexity": float(last["val_perplexity"]),
@@ -297,11 +434,12 @@ def write_report(config: dict[str, Any], site_names: list[str], results: Path) -
         "tokens": int(rounds["tokens"].sum()),
         "global_step": int(last["global_step"]),
         "sites": site_names,
-        "contributions": {
-            s: int((sites["site"] == s).where(sites["status"] == "accepted", False).sum())
-            for s in site_names
-        },
-        "wall_s": float(rounds["closed_at"].max() - rounds["opened_at"].min()),
+        "contributions": contributions(results, site_names),
+        # connected: without the time the workflow was stopped between invocations
+        "wall_s": float(
+            rounds["closed_at"].max() - rounds["opened_at"].min() - rounds["idle_s"].sum()
+        ),
+        "stopped_s": float(rounds["idle_s"].sum()),
         "compute_s": float(rounds["compute_s"].sum()),
         "overhead_s": float(rounds["overhead_s"].sum()),
         "blocks_committed": int(ledger[ledger["site"] == "total"]["blocks_committed"].iloc[0]),

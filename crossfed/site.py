@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
+from crossfed.progress import CONSOLE, step_line
 from crossfed.site_lock import hold_site_folder
 from crossfed.train import checkpoint
 from crossfed.train.distributed import (
@@ -91,6 +92,8 @@ class SiteSettings:
     compress: str = "none"
     device: str = "cpu"
     log_every: int = 5
+    #: the run's rounds (N of "round k/N" in the progress lines), if known
+    rounds: int | None = None
     lease_wait_s: float = 60.0
     #: "simulate" (one process plays the W ranks) or "torchrun" (W processes, FSDP2)
     launcher: str = "simulate"
@@ -609,6 +612,7 @@ class SiteRunner:
         )
 
         done = [state.windows]
+        steps = -(-len(windows) // self.s.inner.windows_per_step)  # this phase's steps
 
         def limit() -> int:
             allowed = 0 if beat.lost is not None else sum(sizes[: beat.allowed_blocks])
@@ -623,15 +627,29 @@ class SiteRunner:
             if self.ranks.main and (
                 info.step % self.s.log_every == 0 or info.windows_done >= len(windows)
             ):
+                tokens_per_s = (info.tokens - tokens0) / max(1e-9, time.perf_counter() - started)
+                loss = info.loss
+                CONSOLE.info(
+                    step_line(
+                        self.s.site,
+                        round_no,
+                        self.s.rounds,
+                        info.step,
+                        steps,
+                        loss,
+                        tokens_per_s,
+                        mfu(tokens_per_s, self.flops_per_token, self.device, self.ranks.world),
+                    )
+                )
                 log.info(
                     "[%s r%d] step %d (global %d) loss %.4f lr %.2e %.0f tok/s lease %d/%d blocks",
                     self.s.site,
                     round_no,
                     info.step,
                     info.global_step,
-                    info.loss,
+                    loss,
                     info.lr,
-                    (info.tokens - tokens0) / max(1e-9, time.perf_counter() - started),
+                    tokens_per_s,
                     beat.consumed,
                     beat.allowed_blocks,
                 )

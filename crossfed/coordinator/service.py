@@ -138,11 +138,6 @@ class Coordinator:
             self._load(spec)
             return {"created": True, **self.status()}
 
-    def _require_run(self) -> RunSpec:
-        if self.spec is None:
-            raise CoordinatorError(409, "no_run", "no run initialised; call POST /v1/run first")
-        return self.spec
-
     def _resume_run(self, current: RunSpec, spec: RunSpec) -> dict[str, Any]:
         """The same run again, or the same run with more rounds (a longer LR schedule).
 
@@ -175,6 +170,11 @@ class Coordinator:
         self.spec = spec
         log.info("run extended: schedule %d -> %d inner steps", old_total, new_total)
         return {"created": False, "extended": True, **self.status()}
+
+    def _require_run(self) -> RunSpec:
+        if self.spec is None:
+            raise CoordinatorError(409, "no_run", "no run initialised; call POST /v1/run first")
+        return self.spec
 
     # ------------------------------------------------------------------ files
     def _master_path(self, generation: int) -> Path:
@@ -965,6 +965,60 @@ def read_ledger(state_dir: Path) -> list[dict[str, Any]]:
         ledger = LedgerStore(conn)
         ledger.replay(book)
         return _ledger_records(conn, ledger, book)
+    finally:
+        conn.close()
+
+
+def read_status(state_dir: Path) -> dict[str, Any]:
+    """What ``GET /v1/status`` answers, straight from a state directory (no server needed).
+
+    Leases are as the ledger last recorded them: a stopped run's in-flight leases show with
+    their old expiry times. Opens the database only to read it.
+    """
+    path = state_dir / "state.sqlite"
+    if not path.exists():
+        raise CoordinatorError(404, "no_state", f"no coordinator state at {path}")
+    conn = store.connect(path)
+    try:
+        spec = store.get_meta(conn, "spec")
+        if spec is None:
+            raise CoordinatorError(409, "no_run", f"{path} holds no run")
+        run = RunSpec.from_dict(spec)
+        space = BlockSpace(run.n_windows, run.block_size, run.data_seed)
+        book = LeaseBook(space.n_blocks)
+        LedgerStore(conn).replay(book)
+        current = conn.execute(
+            "SELECT round_no, generation FROM rounds WHERE status = 'open' "
+            "ORDER BY round_no DESC LIMIT 1"
+        ).fetchone()
+        leases = []
+        for lease in book.active_leases():
+            leases.append(
+                {
+                    "lease_id": lease.lease_id,
+                    "site": lease.site,
+                    "round": lease.round_no,
+                    "epoch": lease.epoch,
+                    "n_blocks": lease.end - lease.start,
+                    "consumed": lease.consumed,
+                    "ttl_s": lease.ttl_s,
+                    "expires_at": lease.expires_at,
+                    "status": lease.status,
+                }
+            )
+        return {
+            "round": current["round_no"],
+            "generation": current["generation"],
+            "global_step": store.get_meta(conn, "global_step", 0),
+            "epoch": book.epoch,
+            "blocks_total": space.n_blocks,
+            "blocks_committed_in_epoch": book.committed_in_epoch,
+            "blocks_committed_total": book.committed_total,
+            "digest": space.digest(),
+            "inner_steps": run.inner_steps,
+            "schedule": run.to_dict()["schedule"],
+            "active_leases": leases,
+        }
     finally:
         conn.close()
 

@@ -8,7 +8,9 @@ sets the embedding size. FlexAttention has no backward on CPU, so CPU models use
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -169,5 +171,25 @@ def count_parameters(model: torch.nn.Module) -> int:
 def flops_per_token(model: torch.nn.Module, flavour: str, vocab_size: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), torchtitan's estimate for dense Qwen3."""
     config = model_config(flavour, vocab_size=vocab_size)
-    _, flops = config.get_nparams_and_flops(model, seq_len)
+    with _torchtitan_info_at_debug():
+        _, flops = config.get_nparams_and_flops(model, seq_len)
     return float(flops)
+
+
+class _DebugOnly(logging.Filter):
+    """Lets a root-logger INFO record through only when debug logging is on (``-v``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+@contextlib.contextmanager
+def _torchtitan_info_at_debug() -> Iterator[None]:
+    """torchtitan logs on the root logger; its INFO lines (the "Total parameter count" of
+    every model) show only with ``-v`` while the block runs."""
+    root, quiet = logging.getLogger(), _DebugOnly()
+    root.addFilter(quiet)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
