@@ -1,7 +1,62 @@
 # Stage 0: the pre-tokenised corpus every site holds, and the run on the coordinator.
+#
+# With data.prepare_jobs = N > 1 the corpus is tokenised in N separate jobs over groups of its
+# shards: prepare_plan fixes the tokenizer and the groups, prepare_part tokenises one group,
+# and prepare_data gathers the parts into the same bytes one job writes. The plan and the
+# parts are temporary: once meta.json stands, no job count (a changed one included) makes
+# Snakemake prepare the data again (the profiles rerun on mtime only).
+PREPARE_JOBS = config["data"]["prepare_jobs"]
+PREPARE_PLAN = f"{DATA}/.prepare/plan-of-{PREPARE_JOBS}.json"
+PREPARE_PARTS = [
+    f"{DATA}/.prepare/part-{k}-of-{PREPARE_JOBS}.{ext}"
+    for k in range(PREPARE_JOBS)
+    for ext in ("bin", "json")
+]
+
+
+rule prepare_plan:
+    output:
+        plan=temp(PREPARE_PLAN),
+    log:
+        f"{LOGS}/prepare_plan.log",
+    params:
+        config=CONFIG,
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    envmodules:
+        *MODULES,
+    shell:
+        "{CROSSFED_JOB} --log {log} data prepare --config {params.config} --plan"
+
+
+rule prepare_part:
+    input:
+        plan=PREPARE_PLAN,
+    output:
+        tokens=temp(f"{DATA}/.prepare/part-{{part}}-of-{PREPARE_JOBS}.bin"),
+        record=temp(f"{DATA}/.prepare/part-{{part}}-of-{PREPARE_JOBS}.json"),
+    log:
+        f"{LOGS}/prepare_part/{{part}}-of-{PREPARE_JOBS}.log",
+    wildcard_constraints:
+        part=r"\d+",
+    params:
+        config=CONFIG,
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    envmodules:
+        *MODULES,
+    shell:
+        "{CROSSFED_JOB} --log {log} data prepare --config {params.config} --part {wildcards.part}"
 
 
 rule prepare_data:
+    input:
+        # one job (the default) prepares it all; more gather the parts
+        parts=[PREPARE_PLAN, *PREPARE_PARTS] if PREPARE_JOBS > 1 else [],
     output:
         meta=protected(f"{DATA}/meta.json"),
     log:

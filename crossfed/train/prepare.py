@@ -8,6 +8,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from crossfed.train.corpus import (
@@ -165,6 +166,97 @@ def _install_tokenizer(
     return target
 
 
+@dataclass(frozen=True)
+class Request:
+    """One preparation's settings, checked: what every way of preparing starts from."""
+
+    out_dir: Path
+    sources: list[Path] | None  # None: the embedded corpus, written into out_dir/corpus
+    tokenizer: Path | None  # None: train one
+    vocab_size: int
+    seq_len: int
+    val_fraction: float
+    shards: int
+    params: dict  # as meta.json records them
+
+    def up_to_date(self) -> dict | None:
+        """The existing meta if ``out_dir`` already holds exactly this preparation."""
+        return _up_to_date(self.out_dir, self.params, self.sources, self.tokenizer)
+
+
+def request(
+    out_dir: Path,
+    *,
+    inputs: Sequence[Path] | None = None,
+    tokenizer: Path | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    shards: int = DEFAULT_SHARDS,
+) -> Request:
+    """Check the settings (a given tokenizer is loaded once, inputs are resolved)."""
+    _check_params(vocab_size, seq_len, val_fraction, shards)
+    if tokenizer is not None:
+        tokenizer = Path(tokenizer)
+        tokenizer = tokenizer / TOKENIZER_FILE if tokenizer.is_dir() else tokenizer
+        load_tokenizer(tokenizer)  # fail early on a missing or invalid file
+    sources = resolve_inputs(inputs) if inputs else None
+    params = preparation_params(
+        embedded=sources is None,
+        trained=tokenizer is None,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        val_fraction=val_fraction,
+        shards=shards,
+    )
+    return Request(
+        Path(out_dir), sources, tokenizer, vocab_size, seq_len, val_fraction, shards, params
+    )
+
+
+def start(req: Request, log: Log) -> tuple[list[Path], Path]:
+    """Invalidate the store, write the embedded corpus if needed, fix the tokenizer.
+
+    Returns the source shards and the store's tokenizer.json.
+    """
+    req.out_dir.mkdir(parents=True, exist_ok=True)
+    (req.out_dir / META_FILE).unlink(missing_ok=True)  # valid only once meta.json is back
+    sources = req.sources
+    if sources is None:
+        sources = _write_corpus(req.out_dir / CORPUS_DIR, req.shards, log)
+    tok_path = _install_tokenizer(req.out_dir, req.tokenizer, sources, req.vocab_size, log)
+    return sources, tok_path
+
+
+def finish(
+    req: Request, meta: dict, tok_path: Path, sources: list[Path], source_sha256: list[str]
+) -> dict:
+    """Add the provenance fields to a written store's ``meta`` and write its meta.json."""
+    meta.update(
+        tokenizer_sha256=sha256_file(tok_path),
+        source=[p.name for p in sources],
+        source_sha256=source_sha256,
+        params=req.params,
+        created_by=CREATED_BY,
+    )
+    write_meta(req.out_dir, meta)
+    return meta
+
+
+def log_written(meta: dict, out_dir: Path, started: float, log: Log) -> None:
+    """The closing lines of a preparation."""
+    log(
+        f"windows: {meta['n_documents']} documents, {meta['n_tokens']} tokens, "
+        f"{meta['n_windows'] + meta['n_val_windows']} windows"
+    )
+    log(
+        f"prepare: wrote {out_dir}: {meta['n_windows']} train + {meta['n_val_windows']} val "
+        f"windows of {meta['window_len']} {meta['dtype']} tokens (vocab {meta['vocab_size']}, "
+        f"eos {meta['eos_id']}, {meta['n_tokens_dropped']} tail tokens dropped) "
+        f"in {time.monotonic() - started:.1f} s"
+    )
+
+
 def prepare(
     out_dir: Path,
     *,
@@ -179,30 +271,21 @@ def prepare(
 ) -> dict:
     """Prepare a window store in ``out_dir`` and return its meta (skips work when current)."""
     started = time.monotonic()
-    _check_params(vocab_size, seq_len, val_fraction, shards)
-    out_dir = Path(out_dir)
-    if tokenizer is not None:
-        tokenizer = Path(tokenizer)
-        tokenizer = tokenizer / TOKENIZER_FILE if tokenizer.is_dir() else tokenizer
-        load_tokenizer(tokenizer)  # fail early on a missing or invalid file
-    sources = resolve_inputs(inputs) if inputs else None
-    params = preparation_params(
-        embedded=sources is None,
-        trained=tokenizer is None,
+    req = request(
+        out_dir,
+        inputs=inputs,
+        tokenizer=tokenizer,
         vocab_size=vocab_size,
         seq_len=seq_len,
         val_fraction=val_fraction,
         shards=shards,
     )
-    if not force and (meta := _up_to_date(out_dir, params, sources, tokenizer)):
+    out_dir = req.out_dir
+    if not force and (meta := req.up_to_date()):
         log(f"prepare: {out_dir} is up to date ({meta['n_windows']} train windows); nothing to do")
         return meta
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / META_FILE).unlink(missing_ok=True)  # a store is valid only once meta.json is back
-    if sources is None:
-        sources = _write_corpus(out_dir / CORPUS_DIR, shards, log)
-    tok_path = _install_tokenizer(out_dir, tokenizer, sources, vocab_size, log)
+    sources, tok_path = start(req, log)
     tok = load_tokenizer(tok_path)
     eos = eos_id(tok)
 
@@ -222,24 +305,8 @@ def prepare(
         val_fraction=val_fraction,
         progress=report,
     )
-    meta.update(
-        tokenizer_sha256=sha256_file(tok_path),
-        source=[p.name for p in sources],
-        source_sha256=[sha256_file(p) for p in sources],
-        params=params,
-        created_by=CREATED_BY,
-    )
-    write_meta(out_dir, meta)
-    log(
-        f"windows: {meta['n_documents']} documents, {meta['n_tokens']} tokens, "
-        f"{meta['n_windows'] + meta['n_val_windows']} windows"
-    )
-    log(
-        f"prepare: wrote {out_dir}: {meta['n_windows']} train + {meta['n_val_windows']} val "
-        f"windows of {meta['window_len']} {meta['dtype']} tokens (vocab {meta['vocab_size']}, "
-        f"eos {meta['eos_id']}, {meta['n_tokens_dropped']} tail tokens dropped) "
-        f"in {time.monotonic() - started:.1f} s"
-    )
+    finish(req, meta, tok_path, sources, [sha256_file(p) for p in sources])
+    log_written(meta, out_dir, started, log)
     return meta
 
 
@@ -250,7 +317,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="tokenise a corpus into fixed windows (train.bin, val.bin, meta.json)",
         description=(
             "Tokenise C4-format shards (or, with no --input, an embedded corpus of Python's own "
-            "documentation) into fixed windows of seq_len + 1 tokens for training."
+            "documentation)\ninto fixed windows of seq_len + 1 tokens for training; a "
+            "tokenizer is trained unless one is given.\nUp to date output is left as it is."
+        ),
+        epilog=(
+            "examples:\n"
+            "  crossfed data prepare --config config/config.yaml\n"
+            "  crossfed data prepare --out data --input c4/en --tokenizer tokenizer.json "
+            "--seq-len 2048"
         ),
     )
     parser.add_argument(
@@ -271,13 +345,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--tokenizer", type=Path, default=None, help="existing HF tokenizer.json (default: train)"
     )
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
-    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB_SIZE,
+        help="vocabulary of the tokenizer trained here (a given tokenizer has its own)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens a training window holds"
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        help="share of windows held out for evaluation (never leased)",
+    )
     parser.add_argument(
         "--shards", type=int, default=DEFAULT_SHARDS, help="shards of the embedded corpus"
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="prepare in this many separate jobs over groups of shards (with --config: "
+        "data.prepare_jobs); with no stage below, more than 1 means --gather",
+    )
+    stage = parser.add_mutually_exclusive_group()
+    stage.add_argument(
+        "--plan",
+        action="store_true",
+        help="stage 1 of --jobs: write the corpus and tokenizer, plan the groups of shards",
+    )
+    stage.add_argument(
+        "--part",
+        type=int,
+        metavar="I",
+        help="stage 2 of --jobs: tokenise group I (0 to jobs - 1) of the plan",
+    )
+    stage.add_argument(
+        "--gather",
+        action="store_true",
+        help="stage 3 of --jobs: cut the groups' tokens into the store (the same bytes as one job)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -292,20 +402,33 @@ def run(args: argparse.Namespace) -> int:
         args.input = [Path(p) for p in data["inputs"]] or None
         args.vocab_size, args.seq_len = data["vocab_size"], data["seq_len"]
         args.val_fraction, args.shards = data["val_fraction"], data["shards"]
+        args.jobs = data["prepare_jobs"]
     if args.out is None:
         print("crossfed data prepare: error: --out (or --config) is required", file=sys.stderr)
         return 2
+    settings = dict(
+        inputs=args.input,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        seq_len=args.seq_len,
+        val_fraction=args.val_fraction,
+        shards=args.shards,
+    )
     try:
-        prepare(
-            args.out,
-            inputs=args.input,
-            tokenizer=args.tokenizer,
-            vocab_size=args.vocab_size,
-            seq_len=args.seq_len,
-            val_fraction=args.val_fraction,
-            shards=args.shards,
-            force=args.force,
-        )
+        if args.jobs < 1:
+            raise PrepareError(f"--jobs must be at least 1, got {args.jobs}")
+        if not (args.plan or args.gather or args.part is not None or args.jobs > 1):
+            prepare(args.out, force=args.force, **settings)
+            return 0
+        from crossfed.train import scatter  # it builds on this module
+
+        req = request(args.out, **settings)
+        if args.plan:
+            scatter.plan(req, args.jobs, _print)
+        elif args.part is not None:
+            scatter.part(req, args.part, args.jobs, _print)
+        else:
+            scatter.gather(req, args.jobs, _print)
     except (PrepareError, CorpusError, TokenizerError, WindowStoreError) as exc:
         print(f"crossfed data prepare: error: {exc}", file=sys.stderr)
         return 1

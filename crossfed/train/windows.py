@@ -4,6 +4,10 @@ Documents are tokenised in batches, each followed by the EOS id, concatenated an
 non-overlapping windows of ``seq_len + 1`` tokens; the ragged tail is dropped. The last
 ``val_fraction`` of the windows go to ``val.bin`` and never into the training block space.
 Both files are row-major arrays of shape ``(n, seq_len + 1)`` with no header.
+
+The same store can be made in parts: :func:`write_tokens` writes one group of shards' token
+stream, and :func:`windows_from_token_files` concatenates the groups' streams in order and
+cuts them exactly as :func:`write_windows` cuts the whole stream (same bytes, same meta).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -125,10 +130,7 @@ def write_windows(
     if seq_len < 1:
         raise WindowStoreError(f"seq_len must be at least 1, got {seq_len}")
     val_window_count(1, val_fraction)  # validates the fraction before any work
-    vocab = tokenizer_vocab_size(tok)
-    if not 0 <= eos < vocab:
-        raise WindowStoreError(f"eos id {eos} outside the vocabulary (size {vocab})")
-    dtype_name = dtype_for_vocab(vocab)
+    vocab, dtype_name = _check_tokenizer(tok, eos)
     dtype = np.dtype(DTYPES[dtype_name])
     window_len = seq_len + 1
     out_dir = Path(out_dir)
@@ -176,6 +178,36 @@ def write_windows(
         os.replace(all_tmp, train_path)
         os.replace(val_tmp, val_path)
     fsync_dir(out_dir)
+    return _store_meta(
+        seq_len=seq_len,
+        dtype_name=dtype_name,
+        vocab=vocab,
+        eos=eos,
+        n_train=n_train,
+        n_val=n_val,
+        n_docs=n_docs,
+        n_tokens=n_tokens,
+        sha256={
+            SPLIT_FILES["train"]: _sha256_file(train_path),
+            SPLIT_FILES["val"]: _sha256_file(val_path),
+        },
+    )
+
+
+def _store_meta(
+    *,
+    seq_len: int,
+    dtype_name: str,
+    vocab: int,
+    eos: int,
+    n_train: int,
+    n_val: int,
+    n_docs: int,
+    n_tokens: int,
+    sha256: dict[str, str],
+) -> dict:
+    """The meta fields of a written store (both ways of writing one return exactly these)."""
+    window_len = seq_len + 1
     return {
         "format": FORMAT,
         "seq_len": seq_len,
@@ -187,12 +219,149 @@ def write_windows(
         "n_val_windows": n_val,
         "n_documents": n_docs,
         "n_tokens": n_tokens,
-        "n_tokens_dropped": int(carry.size),
-        "sha256": {
-            SPLIT_FILES["train"]: _sha256_file(train_path),
-            SPLIT_FILES["val"]: _sha256_file(val_path),
-        },
+        "n_tokens_dropped": n_tokens - (n_train + n_val) * window_len,
+        "sha256": sha256,
     }
+
+
+def _check_tokenizer(tok: Tokenizer, eos: int) -> tuple[int, str]:
+    vocab = tokenizer_vocab_size(tok)
+    if not 0 <= eos < vocab:
+        raise WindowStoreError(f"eos id {eos} outside the vocabulary (size {vocab})")
+    return vocab, dtype_for_vocab(vocab)
+
+
+def write_tokens(
+    docs: Iterable[str],
+    tok: Tokenizer,
+    path: Path,
+    *,
+    eos: int,
+    batch_chars: int = DEFAULT_BATCH_CHARS,
+    progress: Callable[[Progress], None] | None = None,
+) -> dict:
+    """Tokenise ``docs`` into one flat file of ids in the store's dtype (each doc + ``eos``).
+
+    Written to a temporary name, fsynced and renamed. Returns ``dtype``, ``vocab_size``,
+    ``eos_id``, ``n_documents`` and ``n_tokens``.
+    """
+    vocab, dtype_name = _check_tokenizer(tok, eos)
+    dtype = np.dtype(DTYPES[dtype_name])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n_docs = n_tokens = 0
+    with _temp_beside(path) as tmp:
+        with open(tmp, "wb") as f:
+            for count, ids in token_stream(docs, tok, eos, batch_chars):
+                if ids.size and int(ids.max()) >= vocab:
+                    raise WindowStoreError(f"token id {int(ids.max())} >= vocab size {vocab}")
+                n_docs += count
+                n_tokens += ids.size
+                f.write(ids.astype(dtype).tobytes())
+                if progress is not None:
+                    progress(Progress(n_docs, n_tokens, 0))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return {
+        "dtype": dtype_name,
+        "vocab_size": vocab,
+        "eos_id": eos,
+        "n_documents": n_docs,
+        "n_tokens": n_tokens,
+    }
+
+
+def _copy_into(sources: Iterator[bytes], sinks: Sequence[tuple[IO[bytes], int]]) -> list[str]:
+    """Route the concatenated ``sources`` bytes into ``sinks`` (file, byte budget) in turn.
+
+    Bytes past the last budget are dropped; returns each sink's SHA-256.
+    """
+    digests = [hashlib.sha256() for _ in sinks]
+    k, left = 0, sinks[0][1] if sinks else 0
+    for chunk in sources:
+        view = memoryview(chunk)
+        while view.nbytes and k < len(sinks):
+            if left == 0:
+                k += 1
+                left = sinks[k][1] if k < len(sinks) else 0
+                continue
+            piece = view[:left]
+            sinks[k][0].write(piece)
+            digests[k].update(piece)
+            left -= piece.nbytes
+            view = view[piece.nbytes :]
+    return [d.hexdigest() for d in digests]
+
+
+def _chunks(paths: Sequence[Path]) -> Iterator[bytes]:
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                yield chunk
+
+
+def windows_from_token_files(
+    parts: Sequence[Path],
+    out_dir: Path,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    eos: int,
+    n_documents: int,
+    val_fraction: float = 0.05,
+) -> dict:
+    """Cut the concatenation of ``parts`` (from :func:`write_tokens`) into train.bin/val.bin.
+
+    The result is byte for byte what :func:`write_windows` makes of the same documents in
+    one stream: the same windows, the same held-out tail, the same meta fields.
+    """
+    if seq_len < 1:
+        raise WindowStoreError(f"seq_len must be at least 1, got {seq_len}")
+    val_window_count(1, val_fraction)
+    if not 0 <= eos < vocab_size:
+        raise WindowStoreError(f"eos id {eos} outside the vocabulary (size {vocab_size})")
+    dtype_name = dtype_for_vocab(vocab_size)
+    itemsize = np.dtype(DTYPES[dtype_name]).itemsize
+    sizes = [Path(p).stat().st_size for p in parts]
+    for path, size in zip(parts, sizes, strict=True):
+        if size % itemsize:
+            raise WindowStoreError(f"{path}: {size} bytes is not a whole number of {dtype_name}")
+    n_tokens = sum(sizes) // itemsize
+    window_len = seq_len + 1
+    n_total = n_tokens // window_len
+    n_val = val_window_count(n_total, val_fraction)
+    n_train = n_total - n_val
+    if n_train < 1:
+        raise WindowStoreError(
+            f"corpus too small: {n_tokens} tokens make {n_total} window(s) of {window_len}, "
+            f"leaving none for training after {n_val} held out"
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_path, val_path = out_dir / SPLIT_FILES["train"], out_dir / SPLIT_FILES["val"]
+    row = window_len * itemsize
+    with _temp_beside(train_path) as train_tmp, _temp_beside(val_path) as val_tmp:
+        with open(train_tmp, "wb") as t, open(val_tmp, "wb") as v:
+            digests = _copy_into(_chunks(parts), [(t, n_train * row), (v, n_val * row)])
+            for f in (t, v):
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(train_tmp, train_path)
+        os.replace(val_tmp, val_path)
+    fsync_dir(out_dir)
+    return _store_meta(
+        seq_len=seq_len,
+        dtype_name=dtype_name,
+        vocab=vocab_size,
+        eos=eos,
+        n_train=n_train,
+        n_val=n_val,
+        n_docs=n_documents,
+        n_tokens=n_tokens,
+        sha256=dict(zip(SPLIT_FILES.values(), digests, strict=True)),
+    )
 
 
 def write_meta(out_dir: Path, meta: dict) -> Path:
