@@ -1,14 +1,15 @@
 # Stage 5 of a round: evaluate the round's global model (versioned by generation) on the
 # held-out windows. Under a Slurm profile this is a small batch job (one GPU, shared node).
+# The wildcard is the generation (the round that made the model; 0 = the initial model).
 
 
 rule checkpoint:
     input:
-        model=f"{RESULTS}/checkpoints/global-{{round}}.safetensors",
+        model=f"{RESULTS}/checkpoints/global-{{generation}}.safetensors",
     output:
-        evaluation=f"{RESULTS}/rounds/{{round}}/eval.json",
+        evaluation=f"{RESULTS}/rounds/{{generation}}/eval.json",
     log:
-        f"{LOGS}/checkpoint/{{round}}.log",
+        f"{LOGS}/checkpoint/{{generation}}.log",
     params:
         config=CONFIG,
     threads: 1
@@ -20,5 +21,5 @@ rule checkpoint:
         *MODULES,
     shell:
         "{CROSSFED_JOB} --log {log} checkpoint --config {params.config}"
-        " --generation {wildcards.round} --model-out {input.model}"
+        " --generation {wildcards.generation} --model-out {input.model}"
         " --out {output.evaluation} --threads {threads}"

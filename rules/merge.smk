@@ -5,7 +5,7 @@
 
 rule merge:
     input:
-        plan=rules.plan.output.plan,
+        plan=f"{RESULTS}/rounds/{{round}}/plan.json",
     output:
         # protected (write-protected; Snakemake refuses to delete them to redo a round, for
         # any user but root); the model also stays in results/.crossfed/models, no rule's

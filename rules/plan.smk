@@ -1,4 +1,7 @@
 # Stage 2: choose which sites train, with which shape and accumulation (the waterfill).
+# The round is the wildcard `for_round` here (`round` in probe, train and merge, `generation`
+# in checkpoint): `snakemake --dag` labels a job with the wildcards its inputs' jobs lack, so
+# each stage names the round under its own word and every round's jobs carry their number.
 # Work is counted in outer rounds (one data unit = the tokens of one round); rounds already
 # done are not replanned. The run's length comes from the config file, not from params, so
 # a rerun with more rounds adds jobs and leaves every finished plan as it is.
@@ -6,16 +9,16 @@
 
 rule plan:
     input:
-        probe=rules.probe.output.probe,
+        probe=f"{RESULTS}/rounds/{{for_round}}/probe.csv",
     output:
-        plan=f"{RESULTS}/rounds/{{round}}/plan.json",
+        plan=f"{RESULTS}/rounds/{{for_round}}/plan.json",
     log:
-        f"{LOGS}/plan/{{round}}.log",
+        f"{LOGS}/plan/{{for_round}}.log",
     params:
         config=CONFIG,
         sites=config["sites_file"],
-        done=lambda wildcards: int(wildcards.round) - 1,
-        job_log=lambda wildcards: f"{RESULTS}/rounds/{wildcards.round}/job_log.csv",
+        done=lambda wildcards: int(wildcards.for_round) - 1,
+        job_log=lambda wildcards: f"{RESULTS}/rounds/{wildcards.for_round}/job_log.csv",
         results=lambda wildcards, output: Path(output.plan).parents[2],
     conda:
         CONDA_ENV
@@ -23,7 +26,7 @@ rule plan:
         # measured rounds -> the planner's job log; the plan's accumulation then fills the
         # barrier from measured step times (crossfed.train.barrier, paper Fig. 2a)
         "{PYTHON} -m crossfed.train.barrier job-log --results {params.results}"
-        " --before {wildcards.round}"
+        " --before {wildcards.for_round}"
         " --sites {params.sites} --out {params.job_log} > {log} 2>&1"
         " && {CROSSFED} --log {log} plan --config {params.config}"
         " --probes {input.probe} --round {params.done} --job-log {params.job_log}"

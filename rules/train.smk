@@ -11,7 +11,7 @@
 
 rule train:
     input:
-        plan=rules.plan.output.plan,
+        plan=f"{RESULTS}/rounds/{{round}}/plan.json",
         previous=previous_eval,
     output:
         outcome=f"{RESULTS}/rounds/{{round}}/train/{{site}}.json",
