@@ -9,7 +9,7 @@ a tiny run (``model.device: cpu``, since the test nodes have no GPU). The comman
 ``apptainer`` only (tests/standins/apptainer runs the command without a container; its
 "image" is a folder whose ``bin/crossfed`` records each call), so nothing can find the
 venv's crossfed through ``PATH``. The coordinator of "1. The coordinator VM" runs from its
-own copy of the checkout: the README's secrets snippet and ``run init`` as written, the
+own copy of the checkout: the README's secrets command and ``run init`` as written, the
 server without TLS on a loopback port.
 """
 
@@ -201,13 +201,14 @@ def test_readme_site_commands_run_against_slurm(
     for name in ("config/config.yaml", "profiles/slurm/sites.yaml"):  # the same at the VM
         shutil.copy2(site / name, vm / name)
 
-    # 1. the coordinator VM: the secrets snippet as written, the server on loopback
+    # 1. the coordinator VM: the secrets command as written, the server on loopback
     vm_env = {"HOME": str(tmp_path / "home"), "PATH": f"{VENV / 'bin'}:/usr/bin:/bin"}
     setup, init = bash_blocks("### 1. The coordinator VM")
-    snippet = re.search(r"python - <<'PY'.*?\nPY\n", setup, flags=re.S)
-    assert snippet, setup
-    bash(snippet.group(0), vm, vm_env)
+    (make_secrets,) = commands(setup, "crossfed coordinator secrets --out secrets.yaml")
+    bash(make_secrets, vm, vm_env)
+    assert (vm / "secrets.yaml").stat().st_mode & 0o777 == 0o600
     secrets = yaml.safe_load((vm / "secrets.yaml").read_text())
+    assert set(secrets["sites"]) == {"snellius", "lumi", "frontier"}
     (serve,) = commands(setup, "crossfed coordinator serve")
     assert serve.startswith("crossfed coordinator serve --state-dir state --secrets secrets.yaml")
     server = subprocess.Popen(
@@ -280,7 +281,7 @@ def run_site(site, vm, cluster, tmp_path, url, init, secrets, vm_env, image) -> 
     # a dry run with another override leaves the config the running jobs read as it is
     before = (site / CONFIG).read_bytes()
     out = bash(f"{token} && {plus(dry, '--config', 'rounds=3')}", site, site_env)
-    assert "This was a dry-run" in out
+    assert "This was a dry-run" in out or "Nothing to be done" in out, out[-3000:]
     assert (site / CONFIG).read_bytes() == before
     assert (site / CONFIG).stat().st_mtime_ns == written
     assert yaml.safe_load(before)["rounds"] == 2
