@@ -134,6 +134,8 @@ def test_auto_classes_load_the_export_and_generation_stops_at_eos(
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert model.config.eos_token_id == model.generation_config.eos_token_id == eos
+    assert model.generation_config.pad_token_id == eos
+    assert model.model.embed_tokens.padding_idx is None  # fine-tuning trains the eos row too
     assert model.config.max_position_embeddings == tokenizer.model_max_length == meta["seq_len"]
     assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>"
     assert tokenizer.eos_token_id == eos

@@ -83,7 +83,9 @@ def hf_config(
         "use_cache": True,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "pad_token_id": eos_id,
+        # no pad id here: transformers makes it the embedding's padding_idx, whose row then
+        # gets no gradient when the export is fine-tuned (generation_config.json has it)
+        "pad_token_id": None,
         "dtype": dtype,
     }
 
