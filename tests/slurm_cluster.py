@@ -404,7 +404,15 @@ class SlurmTestCluster:
         cluster_name: str = "crossfed",
         account: str = "crossfed",
         system_conf: Path | None = SYSTEM_CONF,
+        private_etc: bool = False,
     ) -> None:
+        """``private_etc``: every slurmd runs in its own mount namespace in which this
+        cluster's ``etc/`` is ``/etc/slurm``, as a site's nodes have their own /etc/slurm. A
+        job's inner ``srun`` that runs without ``SLURM_CONF`` (the Snakemake jobstep plugin
+        drops it) then still finds this cluster, so several clusters can run on one host at
+        once (pass ``system_conf=None`` and distinct node names)."""
+        if private_etc and system_conf is not None:
+            raise SlurmLayoutError("private_etc needs system_conf=None (no shared slurm.conf)")
         self.partitions = dict(DEFAULT_PARTITIONS if partitions is None else partitions)
         validate_layout(self.partitions)
         if not _NAME_RE.match(cluster_name) or not _NAME_RE.match(account):
@@ -414,6 +422,7 @@ class SlurmTestCluster:
         self.account = account
         self.user = pwd.getpwuid(os.geteuid()).pw_name
         self.system_conf = system_conf
+        self.private_etc = private_etc
         self.conf_path = self.paths.slurm_conf
         self.ports: ClusterPorts | None = None
         self.timings: dict[str, float] = {}
@@ -469,6 +478,11 @@ class SlurmTestCluster:
         """Raise SlurmUnavailable unless this host can run the cluster right now."""
         self._check_system_conf()
         self._bin = check_available()
+        if self.private_etc:
+            unshare = find_binary("unshare")
+            if unshare is None:
+                raise SlurmUnavailable(f"private_etc needs unshare (util-linux); {INSTALL_HINT}")
+            self._bin["unshare"] = unshare
 
     def stop(self) -> None:
         """Cancel jobs, stop all daemons (process groups), remove runtime state; keep logs."""
@@ -716,8 +730,14 @@ class SlurmTestCluster:
         )
 
     def _start_slurmds(self, deadline: float) -> None:
+        prefix: list[str] = []
+        if self.private_etc:  # this cluster's etc/ is /etc/slurm for slurmd and its jobs
+            SYSTEM_CONF.parent.mkdir(parents=True, exist_ok=True)  # the mount point
+            mount = 'mount --bind "$0" /etc/slurm && exec "$@"'
+            prefix = [self._bin["unshare"], "--mount", "--propagation", "private", "sh", "-c"]
+            prefix += [mount, str(self.paths.etc)]
         for node in self.nodes:
-            self._spawn(f"slurmd-{node}", [self._bin["slurmd"], "-D", "-N", node])
+            self._spawn(f"slurmd-{node}", [*prefix, self._bin["slurmd"], "-D", "-N", node])
         self.wait_idle(max(deadline - time.monotonic(), 1.0))
 
     def _start_slurmctld(self, deadline: float) -> None:

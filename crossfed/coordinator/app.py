@@ -386,6 +386,10 @@ def create_app(
     @app.get("/v1/rounds/{round_no}")
     async def round_info(round_no: ROUND, who: Caller) -> dict[str, Any]:
         info = await run(coordinator.round_info, round_no)
+        # the round's compute time (its slowest accepted delta's inner phase) is the run's,
+        # shared like merge_s, so every site's report times the round alike
+        times = [d["compute_s"] for d in info["deltas"] if d["compute_s"] is not None]
+        info["compute_s"] = max(times, default=None)
         if who != ADMIN:  # a site sees its own deltas only
             info["deltas"] = [d for d in info["deltas"] if d["site"] == who]
         return info

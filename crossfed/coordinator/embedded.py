@@ -12,13 +12,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
 
-from crossfed.coordinator.client import CoordinatorClient
-from crossfed.transport import PART_BYTES
+if TYPE_CHECKING:  # the client imports torch (weights on the wire): only clients need it
+    from crossfed.coordinator.client import CoordinatorClient
 
 ENDPOINT = "endpoint.json"
 
@@ -77,6 +77,9 @@ def coordinator_url(config: dict[str, Any]) -> str:
 
 def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorClient:
     """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``."""
+    from crossfed.coordinator.client import CoordinatorClient
+    from crossfed.transport import PART_BYTES
+
     kwargs.setdefault("part_bytes", config.get("transport", {}).get("part_bytes", PART_BYTES))
     return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
 
