@@ -1,5 +1,6 @@
 # crossfed: `make run` sets up and trains the local embedded profile; `make test` runs the tests.
 PYTHON ?= python3
+SHELL := /bin/bash
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.crossfed-installed
@@ -22,9 +23,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The terminal of `make run`: crossfed's progress lines (the profile quiets Snakemake's job
+# banners; the scheduler's "Select jobs"/"Execute N jobs" lines are filtered here). Every
+# job's full output is in results/logs/, Snakemake's in .snakemake/log/.
+SCHEDULER_LINES := ^(Select jobs to execute|Execute [0-9]+ jobs)\.\.\.$$
+REPORT_LOG := results/logs/report-html.log
+
 run: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake --profile profiles/local
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake --profile profiles/local --report results/report.html
+	@set -o pipefail; PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake --profile profiles/local 2>&1 \
+		| { grep --line-buffered -v -E '$(SCHEDULER_LINES)' || true; }
+	@PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake --profile profiles/local \
+		--report results/report.html > $(REPORT_LOG) 2>&1 || { cat $(REPORT_LOG); exit 1; }
 	@echo "crossfed: report at results/report.html, metrics at results/metrics/final.json"
 
 system-deps:

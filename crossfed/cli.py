@@ -23,11 +23,12 @@ from crossfed.config import ConfigError, load_run_config, load_sites
 class _Tee(io.TextIOBase):
     """A text stream that writes to the terminal's stream and to the log file alike."""
 
-    def __init__(self, stream: TextIO, log: TextIO) -> None:
-        self._stream, self._log = stream, log
+    def __init__(self, stream: TextIO, log: TextIO, show: bool = True) -> None:
+        self._stream, self._log, self._show = stream, log, show
 
     def write(self, text: str) -> int:
-        self._stream.write(text)
+        if self._show:
+            self._stream.write(text)
         if not self._log.closed:  # a handler left over after main() returned
             self._log.write(text)
         return len(text)
@@ -45,7 +46,7 @@ class _Tee(io.TextIOBase):
     @property
     def log(self) -> TextIO:
         """The log file alone (writes after it closed are dropped)."""
-        return _Tee(_Discard(), self._log)  # type: ignore[return-value]
+        return _Tee(self._stream, self._log, show=False)  # type: ignore[return-value]
 
     def fileno(self) -> int:  # subprocesses inherit the terminal's stream
         return self._stream.fileno()
@@ -58,23 +59,25 @@ class _Tee(io.TextIOBase):
         return getattr(self._stream, "encoding", None) or "utf-8"
 
 
-class _Discard(io.TextIOBase):
-    """A stream that keeps nothing (the terminal side of a log-only stream)."""
-
-    def write(self, text: str) -> int:
-        return len(text)
+#: ``progress``: under ``--log``, what a command prints goes to the log only (set by the workflow)
+TERMINAL_ENV = "CROSSFED_TERMINAL"
 
 
 @contextlib.contextmanager
 def _tee_to(log_file: str | None) -> Iterator[None]:
-    """With ``--log``: all a command says (stdout, stderr, its traceback) also goes to the log."""
+    """With ``--log``: all a command says (stdout, stderr, its traceback) also goes to the log.
+
+    Under ``CROSSFED_TERMINAL=progress`` (the workflow's jobs) the terminal gets only the
+    progress lines, warnings and errors; what the command prints goes to the log alone.
+    """
     if not log_file:
         yield
         return
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "a", buffering=1, encoding="utf-8", errors="replace") as log:
         out, err = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+        show_output = os.environ.get(TERMINAL_ENV) != "progress"
+        sys.stdout, sys.stderr = _Tee(out, log, show=show_output), _Tee(err, log)
         try:
             yield
         except (Exception, KeyboardInterrupt):  # the terminal gets it from the interpreter
@@ -159,7 +162,9 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     keep_stream_buffers_in_heap()
     every = args.ledger_checkpoint_every
     coordinator = Coordinator(
-        Path(args.state_dir), **({} if every is None else {"ledger_checkpoint_every": every})
+        Path(args.state_dir),
+        keep_models=args.keep_models,
+        **({} if every is None else {"ledger_checkpoint_every": every}),
     )
     app = create_app(coordinator, Tokens.load(Path(args.secrets)), max_request_s=args.max_request_s)
     ssl = {}
@@ -822,6 +827,17 @@ def _site_name(text: str) -> str:
     return text
 
 
+def _non_negative(text: str) -> int:
+    """A whole number >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -895,6 +911,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="checkpoint the DARL lease book every N ledger events, so a restart replays "
         "only the events since (default: 10000; 0: never)",
+    )
+    serve.add_argument(
+        "--keep-models",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="keep the last N generations' global models (bf16, what sites download), so a "
+        "site that starts or resumes up to N-1 rounds behind still secures every round's "
+        "model; 0 keeps them all (default: 3, as the fp32 masters)",
     )
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
     serve.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
