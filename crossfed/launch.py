@@ -72,6 +72,7 @@ def site_settings(
         heartbeat_s=config["darl"]["heartbeat_s"],
         inline_max_bytes=config["transport"]["inline_max_bytes"],
         compress=config["transport"]["compress"],
+        error_feedback=config["transport"]["error_feedback"],
         device=config["model"]["device"],
         launcher=config["launcher"]["kind"],
         parallel=ParallelConfig(

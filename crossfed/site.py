@@ -20,6 +20,12 @@ only a site with no local state starts AdamW afresh. AdamW's moments decay geome
 (beta2 = 0.95: about 1% left after 90 steps), so stale moments are forgotten within a round,
 while resetting them would restart the bias correction at the schedule's current (peak) rate.
 
+With error feedback (``transport.error_feedback``) the delta carries the residual the codec
+dropped from the site's previous delta, and leaves a new one beside it; that one becomes the
+site's residual once the coordinator accepts the delta (a refused delta leaves the old one).
+A job killed anywhere in between finds the residual its delta was or will be made with. A site
+that missed rounds drops its residual (:func:`crossfed.train.checkpoint.carried_residual`).
+
 Under torchrun (``launcher: torchrun``) every rank runs this loop; rank 0 alone talks to the
 coordinator and broadcasts the round's plan, the lease and every step's window limit.
 """
@@ -31,6 +37,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from crossfed.compress import save_delta
 from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
@@ -71,7 +79,7 @@ from crossfed.train.inner import (
 from crossfed.train.model import build_model, flops_per_token
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
-from crossfed.transport import open_tensors, save_delta
+from crossfed.transport import open_tensors
 
 log = logging.getLogger("crossfed.site")
 
@@ -88,8 +96,11 @@ class SiteSettings:
     inner: InnerConfig
     heartbeat_s: float = 1.0
     inline_max_bytes: int = 2 * 1024**3
-    #: delta codec on the wire: "none" (bf16) or "int8" (blockwise, about half the bytes)
+    #: delta codec on the wire: "none" (bf16), "int8" (about half the bytes) or "int4"
+    #: (about a quarter); see crossfed.compress
     compress: str = "none"
+    #: carry what the codec drops from one round's delta into the next (error feedback)
+    error_feedback: bool = False
     device: str = "cpu"
     log_every: int = 5
     #: the run's rounds (N of "round k/N" in the progress lines), if known
@@ -522,13 +533,27 @@ class SiteRunner:
         pending = None
         if self.ranks.main:
             delta_path = self.dir / f"delta-r{round_no:05d}.safetensors"
-            with open_tensors(Path(start["model_path"])) as reference:  # tensor by tensor
+            residual_path = None
+            with ExitStack() as files:  # the reference and the residual: tensor by tensor
+                reference = files.enter_context(open_tensors(Path(start["model_path"])))
+                carried = None
+                if self.s.error_feedback:
+                    residual_path = self.dir / f"residual-r{round_no:05d}.safetensors"
+                    path, decision = checkpoint.carried_residual(
+                        self.state_dir, start["generation"]
+                    )
+                    outcome.extra["residual"] = decision
+                    if path is not None:
+                        carried = files.enter_context(open_tensors(path))
                 key = save_delta(
                     params,
                     reference,
                     delta_path,
                     {"site": self.s.site, "round": str(round_no)},
                     codec=self.s.compress,
+                    residual_in=carried,
+                    residual_out=residual_path,
+                    residual_metadata=checkpoint.residual_metadata(round_no, start["generation"]),
                 )
             pending = {
                 "round": round_no,
@@ -541,6 +566,7 @@ class SiteRunner:
                 "compute_s": state.compute_s,
                 "delta": str(delta_path),
                 "key": key,
+                "residual": str(residual_path) if residual_path else None,
             }
             self._write_pending(pending)
         del params
@@ -715,9 +741,13 @@ class SiteRunner:
         size_mb = path.stat().st_size / 1e6
         outcome.transport = "inline" if inline else "blob"
         outcome.overhead_s = outcome.download_s + outcome.upload_s + outcome.checkpoint_s
+        residual = Path(pending["residual"]) if pending.get("residual") else None
         if reply is not None:
             outcome.blocks_committed = pending["consumed"]
             outcome.extra["already"] = reply.get("already", False)
+            checkpoint.commit_residual(self.state_dir, residual)  # the next delta carries it
+        elif residual is not None:  # not merged: the residual it came from is still owed
+            residual.unlink(missing_ok=True)
         self.pending_path.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         log.info(

@@ -235,6 +235,88 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+class StreamWriter:
+    """An open safetensors file being written tensor by tensor, in the order of its specs.
+
+    Made by :func:`stream_writer`; :meth:`write` checks each tensor against its spec, writes
+    it and keeps no reference to it. ``digest`` is set once the file is in place.
+    """
+
+    def __init__(self, handle: Any, specs: Sequence[TensorSpec], hasher: Hasher | None) -> None:
+        self._handle, self._hasher = handle, hasher
+        self._specs = list(specs)
+        self._next = 0
+        self._unsynced = 0
+        self.digest = ""
+
+    def _put(self, data: bytes | memoryview) -> None:
+        if self._hasher is not None:
+            self._hasher.update(data)
+        view = memoryview(data)
+        self._unsynced += len(view)
+        while view:
+            view = view[self._handle.write(view) :]
+        if self._unsynced >= WRITEBACK_EVERY:
+            start_writeback(self._handle.fileno())
+            self._unsynced = 0
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Write the next tensor; it must match the next spec's dtype and shape."""
+        if self._next >= len(self._specs):
+            raise ValueError(f"all {len(self._specs)} tensors of the header are written")
+        spec = self._specs[self._next]
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"tensor {spec.name!r} is {tensor.dtype} {tuple(tensor.shape)}; "
+                f"its header says {spec.dtype} {spec.shape}"
+            )
+        tensor = tensor.detach().to("cpu").contiguous()
+        data = _raw_bytes(tensor)
+        for lo in range(0, len(data), CHUNK):
+            self._put(data[lo : lo + CHUNK])
+        self._next += 1
+
+    @property
+    def spec(self) -> TensorSpec:
+        """The spec of the tensor :meth:`write` expects next."""
+        return self._specs[self._next]
+
+    @property
+    def complete(self) -> bool:
+        return self._next == len(self._specs)
+
+
+@contextmanager
+def stream_writer(
+    path: Path,
+    specs: Sequence[TensorSpec],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    algo: str | None = DEFAULT_ALGO,
+) -> Iterator[StreamWriter]:
+    """A safetensors file written atomically: the header now, each tensor by
+    :meth:`StreamWriter.write`, and the file in place (fsync, rename, fsync of the folder)
+    when the block ends with every tensor written. An exception leaves no file behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    hasher = new_hasher(algo) if algo else None
+    try:
+        with open(tmp, "wb", buffering=0) as handle:
+            writer = StreamWriter(handle, specs, hasher)
+            writer._put(safetensors_header(specs, metadata))
+            yield writer
+            if not writer.complete:
+                raise ValueError(
+                    f"{path.name}: {writer._next} of {len(writer._specs)} tensors written"
+                )
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    writer.digest = f"{algo}:{hasher.hexdigest()}" if hasher is not None else ""
+
+
 def save_stream(
     path: Path,
     specs: Sequence[TensorSpec],
@@ -248,44 +330,10 @@ def save_stream(
     Each produced tensor must match its spec (dtype and shape); it is written and dropped
     before the next is made. Returns the file's ``algo:hex`` digest ("" when ``algo`` is None).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    hasher = new_hasher(algo) if algo else None
-    try:
-        with open(tmp, "wb", buffering=0) as handle:
-            unsynced = 0
-
-            def put(data: bytes | memoryview) -> None:
-                nonlocal unsynced
-                if hasher is not None:
-                    hasher.update(data)
-                view = memoryview(data)
-                unsynced += len(view)
-                while view:
-                    view = view[handle.write(view) :]
-                if unsynced >= WRITEBACK_EVERY:
-                    start_writeback(handle.fileno())
-                    unsynced = 0
-
-            put(safetensors_header(specs, metadata))
-            for spec in specs:
-                tensor = produce(spec)
-                if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-                    raise ValueError(
-                        f"tensor {spec.name!r} is {tensor.dtype} {tuple(tensor.shape)}; "
-                        f"its header says {spec.dtype} {spec.shape}"
-                    )
-                tensor = tensor.detach().to("cpu").contiguous()
-                data = _raw_bytes(tensor)
-                for lo in range(0, len(data), CHUNK):
-                    put(data[lo : lo + CHUNK])
-                del tensor, data
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return f"{algo}:{hasher.hexdigest()}" if hasher is not None else ""
+    with stream_writer(path, specs, metadata, algo=algo) as writer:
+        for spec in specs:
+            writer.write(produce(spec))
+    return writer.digest
 
 
 def save_tensors(
@@ -337,33 +385,24 @@ def save_delta(
     global_params: Mapping[str, torch.Tensor],
     path: Path,
     metadata: Mapping[str, str] | None = None,
-    *,
-    codec: str = "none",
 ) -> str:
-    """Write the delta tensor by tensor (bf16, or ``codec``-compressed); returns its digest.
+    """Write the bf16 delta tensor by tensor; returns its digest.
 
     Only one tensor's fp32 delta exists at a time and ``global_params`` may be lazy
     (:func:`open_tensors`: each reference tensor is read when its delta is made), so a site
     never holds a second copy of the model. Tensor names come from ``global_params``.
+    Compressed deltas and error feedback: :func:`crossfed.compress.save_delta`.
     """
-    from crossfed import compress  # compress imports this module
-
-    encoder = compress.encoder(codec)
-    specs: list[TensorSpec] = []
-    for name in global_params.keys():
-        specs.extend(encoder.specs(name, tuple(site_params[name].shape)))
-    meta = {**dict(metadata or {}), **encoder.metadata()}
-    current: dict[str, torch.Tensor] = {}
+    specs = [
+        TensorSpec(name, torch.bfloat16, tuple(site_params[name].shape))
+        for name in global_params.keys()
+    ]
 
     def produce(spec: TensorSpec) -> torch.Tensor:
-        base = encoder.base_name(spec.name)
-        if base not in current:
-            current.clear()  # the previous tensor's parts are written: drop them
-            delta = delta_tensor(site_params[base], global_params[base])
-            current.update(encoder.encode(base, delta))
-        return current.pop(spec.name)
+        delta = delta_tensor(site_params[spec.name], global_params[spec.name])
+        return delta.to(torch.bfloat16)
 
-    return save_stream(path, specs, produce, meta)
+    return save_stream(path, specs, produce, metadata)
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):
@@ -390,6 +429,113 @@ def open_tensors(path: Path) -> Iterator[LazyTensors]:
     """A safetensors file as a lazy mapping (no tensor is read until it is asked for)."""
     with safe_open(str(path), framework="pt") as handle:
         yield LazyTensors(handle)
+
+
+#: safetensors dtype name -> torch dtype
+DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+#: a safetensors header longer than this is refused (the format's own limit is 100 MB)
+HEADER_MAX_BYTES = 100_000_000
+#: bytes per ``pread`` when reading a tensor into memory
+READ_CHUNK = 64 << 20
+
+
+class TensorFile:
+    """A safetensors file read tensor by tensor with ``pread``, into tensors the caller owns.
+
+    ``safe_open`` maps the whole file copy-on-write: its tensors are views of that map, and
+    writing to one turns the touched pages into private memory until the file is closed.
+    Here each tensor is read into a fresh tensor, or into ``out`` (a buffer kept across
+    tensors), so a reader holds exactly the tensors it keeps and nothing of the file. Offers
+    ``keys``, ``metadata`` and ``get_tensor`` like a ``safe_open`` handle.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._meta, self._entries = self._parse(os.fstat(self._fd).st_size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse(self, size: int) -> tuple[dict[str, str] | None, dict[str, tuple[TensorSpec, int]]]:
+        """The header's metadata and, per tensor, its spec and absolute byte offset."""
+        where = f"{self.path.name}:"
+        prefix = os.pread(self._fd, 8, 0)
+        if len(prefix) < 8:
+            raise ValueError(f"{where} {size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(HEADER_MAX_BYTES, size - 8):
+            raise ValueError(f"{where} header length {length} does not fit the {size}-byte file")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except ValueError as exc:
+            raise ValueError(f"{where} the header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{where} the header is not a JSON object")
+        meta = header.pop("__metadata__", None)
+        base, entries = 8 + length, {}
+        for name, entry in header.items():
+            try:
+                dtype = DTYPES_BY_NAME[entry["dtype"]]
+                shape = tuple(int(d) for d in entry["shape"])
+                start, end = (int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{where} tensor {name!r} has a malformed entry") from None
+            spec = TensorSpec(name, dtype, shape)
+            if min(shape, default=0) < 0 or end - start != spec.nbytes or base + end > size:
+                raise ValueError(
+                    f"{where} tensor {name!r} {entry['dtype']} {list(shape)} at bytes "
+                    f"{start}..{end} does not fit its size or the file"
+                )
+            entries[name] = (spec, base + start)
+        return meta, entries
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def metadata(self) -> dict[str, str] | None:
+        return None if self._meta is None else dict(self._meta)
+
+    def spec(self, name: str) -> TensorSpec:
+        if name not in self._entries:
+            raise KeyError(name)
+        return self._entries[name][0]
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name``, read into a new tensor or into the front of ``out`` (a contiguous
+        buffer of the same dtype with room for it): the result is then a view of ``out``."""
+        spec, offset = self._entries[name]
+        numel = spec.nbytes // torch.empty((), dtype=spec.dtype).element_size()
+        if out is None:
+            tensor = torch.empty(spec.shape, dtype=spec.dtype)
+        elif out.dtype != spec.dtype or not out.is_contiguous() or out.numel() < numel:
+            raise ValueError(f"buffer {out.dtype} x{out.numel()} cannot hold {spec}")
+        else:
+            tensor = out.view(-1)[:numel].view(spec.shape)
+        view = _raw_bytes(tensor)
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done : done + READ_CHUNK]], offset + done)
+            if n == 0:
+                raise ValueError(f"{self.path.name}: tensor {name!r} is cut short")
+            done += n
+        return tensor
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a new tensor (``safe_open`` handle's spelling)."""
+        return self.read(name)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def iter_chunks(path: Path, start: int = 0, end: int | None = None) -> Iterable[bytes]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from crossfed.compress import save_delta
 from crossfed.coordinator.client import CoordinatorClient
 from crossfed.coordinator.embedded import (
     EndpointError,
@@ -28,7 +29,6 @@ from crossfed.coordinator.service import Coordinator
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.train.prepare import prepare
 from crossfed.train.windows import read_meta
-from crossfed.transport import save_delta
 
 REPO = Path(__file__).resolve().parent.parent
 SITES = ["snellius", "lumi", "frontier"]

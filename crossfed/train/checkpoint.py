@@ -6,11 +6,20 @@ process). A checkpoint is a directory ``ckpt-r<round>-s<step>-<status>/`` holdin
 ``cursor.json``; it counts only once ``latest.json`` names it. That pointer is replaced
 atomically (temp file, fsync, rename) by rank 0 after every rank has written, so a job killed
 at any instant leaves either the previous checkpoint or the new one, never a torn one.
+
+With error feedback the site also keeps a residual (the fp32 part of its last sent delta that
+quantisation dropped): ``residual.safetensors`` beside the checkpoints, tagged with the
+generation its delta started from. It is rank 0's whole-model state, written tensor by tensor
+as the delta is (:func:`crossfed.compress.save_delta`) and put in place (one rename) only
+once the coordinator has accepted that delta, so a killed job finds the residual that goes
+into the delta it is about to (re)send. See :func:`carried_residual` for which residual a
+delta carries.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -19,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -30,6 +40,11 @@ from crossfed.transport import fsync_dir
 
 POINTER = "latest.json"
 CURSOR = "cursor.json"
+RESIDUAL = "residual.safetensors"
+GENERATION_KEY = "crossfed.generation"
+ROUND_KEY = "crossfed.round"
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -127,3 +142,52 @@ def discard(state_dir: Path, ranks: Ranks) -> None:
         for old in Path(state_dir).glob("ckpt-*"):
             shutil.rmtree(old, ignore_errors=True)
     barrier(ranks)
+
+
+# --------------------------------------------------------------------------- residual
+def residual_metadata(round_no: int, generation: int) -> dict[str, str]:
+    """Header of a residual left by the delta of ``round_no`` trained from ``generation``."""
+    return {ROUND_KEY: str(round_no), GENERATION_KEY: str(generation)}
+
+
+def carried_residual(state_dir: Path, generation: int) -> tuple[Path | None, str]:
+    """The residual a delta trained from ``generation`` carries, and what was decided.
+
+    Carried only when it trailed the delta merged into exactly this generation (the site took
+    part in the round before). A site that missed rounds drops it: the residual corrects the
+    site's contribution to a model that other sites' merges have since moved on from, it would
+    enter the new average with this round's token share instead of the one it was owed, and
+    it is at most half a quantisation step per value, so dropping it loses one rounding (what
+    a site with no local state pays), while adding it applies a stale update.
+    Returns ``(path or None, "carried" | "none" | "dropped: <why>")``.
+    """
+    path = Path(state_dir) / RESIDUAL
+    if not path.exists():
+        return None, "none"
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+        made_at, round_no = int(meta[GENERATION_KEY]), int(meta[ROUND_KEY])
+    except Exception as exc:  # safetensors raises its own errors for torn headers
+        raise CheckpointError(f"{path}: unreadable error-feedback residual: {exc}") from exc
+    if made_at + 1 == generation:
+        return path, "carried"
+    why = (
+        f"dropped: it trailed the delta of round {round_no} from generation {made_at}; "
+        f"this delta starts from generation {generation}"
+    )
+    log.info("error-feedback residual %s", why)
+    return None, why
+
+
+def commit_residual(state_dir: Path, candidate: Path | None) -> bool:
+    """Make ``candidate`` (written beside an accepted delta) the residual the next delta
+    carries. False when there is none to commit (no error feedback, or committed already by a
+    job that was killed before it could forget the delta)."""
+    if candidate is None or not Path(candidate).exists():
+        return False
+    target = Path(state_dir) / RESIDUAL
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(candidate, target)
+    fsync_dir(target.parent)
+    return True
