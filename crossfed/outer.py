@@ -371,28 +371,134 @@ def outer_step(
         _check_keys(master, deltas[i])
 
     fresh = not momentum
-    params = sum(w.numel() for w in master.values())
-    fused = _pick_fused(kernel, params, len(live))
-    ps = [shares[i] for i in live]
-    padding = [0.0] * (_width(len(ps)) - len(ps))
-    coef = torch.tensor([*ps, *padding, beta, eta], dtype=torch.float32)
-    block = min(_EAGER_BLOCK, max((w.numel() for w in master.values()), default=0))
-    scratch = (torch.empty(block), torch.empty(block))
+    plan = _plan([shares[i] for i in live], eta, beta, [w.numel() for w in master.values()], kernel)
     with torch.no_grad():
         for name, w in master.items():
             ds = [_check_meta(name, w, deltas[i][name]) for i in live]
             if fresh:  # zeros make β b + g == g exactly, so the fused kernel needs no variant
-                momentum[name] = torch.empty_like(w) if fused is None else torch.zeros_like(w)
-            b = momentum[name]
-            if (
-                fused is not None
-                and w.numel() >= _FUSED_MIN_NUMEL
-                and all(d.dtype == torch.bfloat16 for d in ds)
-            ):
-                _merge_fused(fused, w, b, ds, coef)
-            else:
-                _merge_eager(w, b, ds, ps, beta, eta, fresh and fused is None, scratch)
+                momentum[name] = torch.empty_like(w) if plan.fused is None else torch.zeros_like(w)
+            _apply(plan, w, momentum[name], ds, fresh)
             del ds
     return OuterStepReport(
         contributors=len(live), eta_used=eta, tokens=total, shares=shares, applied=True
+    )
+
+
+@dataclass
+class _Plan:
+    """What one outer step applies to every tensor, worked out once."""
+
+    ps: list[float]
+    beta: float
+    eta: float
+    fused: Callable[..., None] | None
+    coef: Tensor
+    scratch: tuple[Tensor, Tensor]
+
+
+def _plan(ps: list[float], eta: float, beta: float, numels: list[int], kernel: Kernel) -> _Plan:
+    """The kernel (by model size and contributors), its coefficients and eager scratch."""
+    fused = _pick_fused(kernel, sum(numels), len(ps))
+    padding = [0.0] * (_width(len(ps)) - len(ps))
+    coef = torch.tensor([*ps, *padding, beta, eta], dtype=torch.float32)
+    block = min(_EAGER_BLOCK, max(numels, default=0))
+    return _Plan(ps, beta, eta, fused, coef, (torch.empty(block), torch.empty(block)))
+
+
+def _apply(plan: _Plan, w: Tensor, b: Tensor, ds: list[Tensor], fresh: bool) -> None:
+    """Eq. 1 on one tensor, in place on ``w`` and ``b`` (fresh: ``b`` holds no momentum yet,
+    and is zeros when the fused kernel is in use)."""
+    if (
+        plan.fused is not None
+        and w.numel() >= _FUSED_MIN_NUMEL
+        and all(d.dtype == torch.bfloat16 for d in ds)
+    ):
+        _merge_fused(plan.fused, w, b, ds, plan.coef)
+    else:
+        _merge_eager(
+            w, b, ds, plan.ps, plan.beta, plan.eta, fresh and plan.fused is None, plan.scratch
+        )
+
+
+def _state_tensor(source: Mapping[str, Tensor], name: str, ref: Tensor, role: str) -> Tensor:
+    """``source[name]``, checked to be a contiguous fp32 tensor shaped like ``ref``."""
+    value = source[name]
+    if (
+        not isinstance(value, Tensor)
+        or value.dtype != torch.float32
+        or not value.is_contiguous()
+        or value.shape != ref.shape
+    ):
+        raise StateError(
+            f"{role} tensor {name!r} must be a contiguous float32 tensor of shape "
+            f"{tuple(ref.shape)}"
+        )
+    return value
+
+
+def stream_outer_step(
+    shapes: Mapping[str, Sequence[int]],
+    master: Mapping[str, Tensor],
+    momentum: Mapping[str, Tensor] | None,
+    deltas: Sequence[Mapping[str, Tensor]],
+    tokens: Sequence[int],
+    emit: Callable[[str, Tensor, Tensor | None], None],
+    config: OuterConfig = OuterConfig(),
+    *,
+    kernel: Kernel = "auto",
+) -> OuterStepReport:
+    """:func:`outer_step` for state that lives in files, one tensor at a time.
+
+    For each name of ``shapes``, in order: ``master[name]`` and ``momentum[name]`` are read
+    once (fp32 tensors this function overwrites: fresh ones, or views of buffers the caller
+    reuses), each contributor's delta tensor is read once, the same arithmetic as
+    :func:`outer_step` runs on them (so the results are equal bit for bit), and
+    ``emit(name, w, b)`` receives the new master and momentum tensors, valid during that call
+    only. So the step holds one tensor of each role at a time, whatever the model's size.
+
+    ``momentum`` is None or empty before the first step. With no contributor nothing is
+    applied: ``emit`` gets the tensors as read (``b`` None when there is no momentum). Key
+    sets are checked before the first tensor is read; dtypes and shapes as each is read.
+    """
+    if len(deltas) != len(tokens):
+        raise ValueError(f"{len(deltas)} deltas but {len(tokens)} token counts")
+    counts = _token_counts(tokens)
+    live = [i for i, n in enumerate(counts) if n > 0]
+    refs = {name: torch.empty(tuple(shape), device="meta") for name, shape in shapes.items()}
+    fresh = not momentum
+    if momentum and set(momentum.keys()) != set(refs):
+        missing = sorted(set(refs).difference(momentum.keys()))
+        extra = sorted(set(momentum.keys()).difference(refs))
+        raise StateError(
+            "momentum must be empty or hold exactly the master's tensors; "
+            f"missing {_names(missing) or 'none'}, unexpected {_names(extra) or 'none'}"
+        )
+    if not live:
+        for name, ref in refs.items():
+            w = _state_tensor(master, name, ref, "master")
+            emit(name, w, None if fresh else _state_tensor(momentum or {}, name, ref, "momentum"))
+        return OuterStepReport(
+            contributors=0, eta_used=0.0, tokens=0, shares=[0.0] * len(counts), applied=False
+        )
+    shares = token_shares(counts)
+    eta = 1.0 if len(live) == 1 and config.solo_full_step else config.eta
+    for i in live:
+        _check_keys(refs, deltas[i])
+    plan = _plan(
+        [shares[i] for i in live], eta, config.beta, [r.numel() for r in refs.values()], kernel
+    )
+    with torch.no_grad():
+        for name, ref in refs.items():
+            w = _state_tensor(master, name, ref, "master")
+            if fresh:
+                b = torch.empty_like(w) if plan.fused is None else torch.zeros_like(w)
+            else:
+                b = _state_tensor(momentum or {}, name, ref, "momentum")
+            ds = [_check_meta(name, ref, deltas[i][name]) for i in live]
+            _apply(plan, w, b, ds, fresh)
+            del ds
+            emit(name, w, b)
+            del w, b
+    return OuterStepReport(
+        contributors=len(live), eta_used=eta, tokens=sum(counts), shares=shares, applied=True
     )

@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 
 from crossfed.compress import open_delta
 from crossfed.coordinator.faults import ENV
+from crossfed.coordinator.service import Coordinator
 from crossfed.outer import OuterConfig, outer_step
-from crossfed.transport import digest_file
+from crossfed.transport import StreamWriter, digest_file
 from tests.conftest import LiveCoordinator, staged_delta
 from tests.test_coordinator_http import (
     committed_rows,
@@ -58,7 +59,7 @@ def meta(live: LiveCoordinator, key: str) -> str | None:
     return row[0] if row else None
 
 
-def models(live: LiveCoordinator) -> Path:
+def models(live: LiveCoordinator | Coordinator) -> Path:
     return live.state_dir / "models"
 
 
@@ -158,6 +159,37 @@ def test_sigkill_inside_the_merge_before_its_commit_redoes_it_identically(
 
 
 @pytest.mark.slow
+def test_sigkill_halfway_through_writing_a_generation_redoes_it_identically(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merge streams generation 1 into temp files as it computes it; killed with half
+    of its tensors written, the restarted coordinator serves generation 0, and the redone
+    merge writes the bytes an uninterrupted one does."""
+    g0 = global_model(run, 0, tmp_path)
+    master0 = master_of(run, 0)
+    a, b = join_and_lease(run, "snellius", tiny_data), join_and_lease(run, "lumi", tiny_data)
+    da, db = delta_file(tmp_path, g0, seed=8, name="a"), delta_file(tmp_path, g0, seed=9, name="b")
+    assert submit(run, "snellius", a, da, tokens=TOKENS["snellius"])["accepted"]
+
+    crash(run, monkeypatch, at="inside_generation_write")
+    assert submit(run, "lumi", b, db, tokens=TOKENS["lumi"])["accepted"]
+    died_by_its_own_hand(run)
+    assert meta(run, "generation") == "0"
+    names = sorted(p.name for p in models(run).iterdir())
+    assert "master-000001.safetensors" not in names and "global-000001.safetensors" not in names
+    partial = [p for p in models(run).iterdir() if p.name.endswith(".tmp")]
+    assert len(partial) == 2 and all(p.stat().st_size > 0 for p in partial)
+
+    crash(run, monkeypatch)
+    assert run.client().status()["generation"] == 0
+    wait_round_closed(run, 1)  # redone from generation 0's files and the same deltas
+    expected = expected_step(master0, [(da, TOKENS["snellius"]), (db, TOKENS["lumi"])])
+    assert_generation(run, 1, expected, tmp_path / "after")
+    assert not [p for p in models(run).iterdir() if p.name.endswith(".tmp")]  # retention
+    assert_ledger_once(run, [a, b])
+
+
+@pytest.mark.slow
 def test_sigkill_after_the_merge_commits_before_retention(
     run: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,19 +259,29 @@ def test_a_merge_that_fails_before_its_commit_leaves_no_half_step(
         site="lumi", round_no=1, lease_id=held["lease_id"], generation=0, tokens=100, steps=4,
         consumed=held["n_blocks"], blob=key,
     )  # fmt: skip
-    write = coord._write_generation
+    write = StreamWriter.write
+    calls = [0]
 
-    def disk_full(generation: int) -> None:
-        raise OSError(28, "No space left on device")
+    def disk_full(self: StreamWriter, tensor: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 5:  # a few tensors of generation 1 are already in its temp files
+            raise OSError(28, "No space left on device")
+        write(self, tensor)
 
-    monkeypatch.setattr(coord, "_write_generation", disk_full)
+    monkeypatch.setattr(StreamWriter, "write", disk_full)
     now[0] += 60.0
     with pytest.raises(OSError):
         coord.tick()
+    assert calls[0] == 5
     assert all(torch.equal(coord.master[k], master0[k]) for k in master0)
     assert coord.momentum == {} and coord.status()["generation"] == 0
-    monkeypatch.setattr(coord, "_write_generation", write)
+    assert sorted(p.name for p in models(coord).iterdir()) == [  # no temp file, no generation 1
+        "global-000000.safetensors",
+        "master-000000.safetensors",
+    ]
+    monkeypatch.setattr(StreamWriter, "write", write)
     assert coord.tick()["generation"] == 1  # the retry takes exactly one step
     expected = expected_step({k: v.clone() for k, v in master0.items()}, [(path, 100)])
     assert all(torch.equal(coord.master[k], expected[k]) for k in coord.master)
     assert all(torch.equal(coord.momentum[k], expected[f"momentum::{k}"]) for k in coord.momentum)
+    assert len(coord.momentum) == len(coord.master) == len(master0)

@@ -13,6 +13,7 @@ ENV = "CROSSFED_CRASH_AT"
 POINTS = frozenset(
     {
         "after_upload_part",  # a blob part is on disk (fsynced), before its reply
+        "inside_generation_write",  # half of generation g+1's tensors are in its temp files
         "after_generation_write",  # generation g+1's files are written, not yet committed
         "after_close_commit",  # the round is closed and committed, before retention
     }

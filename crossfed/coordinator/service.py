@@ -2,7 +2,12 @@
 
 HTTP lives in ``app.py``; this class never sees a request. Every state change is written
 to SQLite (one transaction) before the method returns, so whatever a reply promised
-survives a SIGKILL. One lock serialises mutations.
+survives a SIGKILL. One lock serialises mutations; a merge takes it only to start and to
+commit, so leases and heartbeats are answered while it reads and writes the model.
+
+The model state is on disk, not in memory: each generation's fp32 master and momentum are
+one safetensors file read tensor by tensor, and a merge writes the next generation's files
+as it computes them, so the coordinator's memory does not grow with the model.
 """
 
 from __future__ import annotations
@@ -15,33 +20,39 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from safetensors.torch import load_file
 
 from crossfed.compress import open_delta
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobStore, check_key
 from crossfed.coordinator.faults import crash_point
+from crossfed.coordinator.generations import (
+    Emit,
+    StateView,
+    merge_step,
+    read_shapes,
+    write_generation,
+)
 from crossfed.coordinator.rounds import close_decision
 from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
 from crossfed.darl.ledger import CHECKPOINT_EVERY, LedgerError, LedgerStore, apply_event
-from crossfed.outer import DeltaError, outer_step, validate_delta, warm_up
-from crossfed.transport import digest_file, save_tensors
+from crossfed.outer import DeltaError, OuterStepReport, validate_delta, warm_up
+from crossfed.transport import digest_file
 
 log = logging.getLogger("crossfed.coordinator")
-MOMENTUM = "momentum::"
 BLOB_GRACE_S = 3600.0  # an uploaded blob no delta refers to is deleted after this long
 _MODEL_FILE = re.compile(r"^(master|global)-(\d{6,})\.safetensors$")
 MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
 PACE_LIVE_S = 3600.0  # sites seen within this long count towards the mean pace
 PACE_MAX_SCALE = 4.0  # a grant is at most this many times the requested phase
 RESEND_FIELDS = ("site", "blob", "round_no", "generation", "tokens", "steps", "consumed")
+T = TypeVar("T")
 
 
 class CoordinatorError(Exception):
@@ -66,11 +77,16 @@ class Coordinator:
         *,
         clock: Callable[[], float] = time.time,
         keep_generations: int = 3,
+        keep_models: int | None = None,
         ledger_checkpoint_every: int = CHECKPOINT_EVERY,
     ) -> None:
         self.state_dir = state_dir
         self.clock = clock
         self.keep_generations = keep_generations
+        #: bf16 global models kept (what sites download; 0: every generation), so a site that
+        #: starts or resumes rounds behind still secures each round's model; the fp32 master
+        #: and momentum (restarts need only the newest) keep ``keep_generations``
+        self.keep_models = keep_generations if keep_models is None else keep_models
         self.ledger_checkpoint_every = ledger_checkpoint_every
         self.lock = threading.RLock()
         self.conn = store.connect(state_dir / "state.sqlite")
@@ -80,8 +96,9 @@ class Coordinator:
         self.spec: RunSpec | None = None
         self.space: BlockSpace | None = None
         self.book: LeaseBook | None = None
-        self.master: dict[str, torch.Tensor] = {}
-        self.momentum: dict[str, torch.Tensor] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}  # the master's tensors, in file order
+        self.generation = 0  # the committed generation whose files hold the state
+        self._closing: int | None = None  # the round a merge is closing, outside the lock
         self._echoes: dict[str, tuple[int, float]] = {}  # site -> (nonce, perf_counter at reply)
         self._rtt_ms: dict[str, float] = {}  # RTT the coordinator measured per site (smoothed)
         spec = store.get_meta(self.conn, "spec")
@@ -100,18 +117,30 @@ class Coordinator:
                 self._event("grace", {"now": self.clock()})
         generation = self._restore_state()
         log.info("loaded run at generation %d (%d ledger events replayed)", generation, replayed)
-        params = sum(t.numel() for t in self.master.values())
+        params = sum(math.prod(shape) for shape in self.shapes.values())
         threading.Thread(target=warm_up, args=(params,), name="warm-merge", daemon=True).start()
 
     def _restore_state(self) -> int:
-        """Master and momentum as the last committed generation has them on disk."""
+        """The last committed generation and its master's tensor names and shapes (read
+        from its file's header: the tensors themselves stay on disk until a merge)."""
         generation = store.get_meta(self.conn, "generation", 0)
-        tensors = load_file(str(self._master_path(generation)))
-        self.master = {k: v for k, v in tensors.items() if not k.startswith(MOMENTUM)}
-        self.momentum = {
-            k[len(MOMENTUM) :]: v for k, v in tensors.items() if k.startswith(MOMENTUM)
-        }
+        self.shapes = read_shapes(self._master_path(generation))
+        self.generation = generation
         return generation
+
+    def _references(self) -> dict[str, torch.Tensor]:
+        """The master's names and shapes as storage-free tensors, for checking deltas."""
+        return {k: torch.empty(shape, device="meta") for k, shape in self.shapes.items()}
+
+    @property
+    def master(self) -> StateView:
+        """The committed generation's fp32 master, read from its file tensor by tensor."""
+        return StateView(self._master_path(self.generation), momentum=False)
+
+    @property
+    def momentum(self) -> StateView:
+        """The committed generation's momentum (empty before the first merge)."""
+        return StateView(self._master_path(self.generation), momentum=True)
 
     def init_run(self, spec: RunSpec) -> dict[str, Any]:
         """Create the run (generation 0 from the model seed); the same spec again is a no-op."""
@@ -122,11 +151,17 @@ class Coordinator:
             from crossfed.train.model import build_model, parameters_of  # torchtitan is heavy
 
             model = build_model(spec.flavour, vocab_size=spec.vocab_size, seed=spec.model_seed)
-            self.master = {k: v.detach().float().clone() for k, v in parameters_of(model).items()}
-            self.momentum = {}
-            self._write_generation(0)
+            params = parameters_of(model)
+            self.shapes = {k: tuple(v.shape) for k, v in params.items()}
+
+            def initial(emit: Emit) -> None:
+                for name, value in params.items():
+                    emit(name, value.detach().float().contiguous(), None)
+
+            digest, _, _ = self._write_generation(0, initial, momentum=False)
             now = self.clock()
             with store.Transaction(self.conn):
+                store.set_meta(self.conn, "global_digest:0", digest)
                 store.set_meta(self.conn, "spec", spec.to_dict())
                 store.set_meta(self.conn, "generation", 0)
                 store.set_meta(self.conn, "global_step", 0)
@@ -198,33 +233,37 @@ class Coordinator:
             digest = digest_file(path)
         return path, digest
 
-    def _write_generation(self, generation: int) -> None:
-        """fp32 master + momentum (for restarts) and the bf16 global model (for sites).
-
-        Both are streamed tensor by tensor (no second copy of the model in memory) to temp
-        files, fsynced and renamed; the global model's digest is computed as it is written.
-        A merge killed before its commit leaves files for a generation that is not
-        published; the merge is redone after the restart and overwrites them.
-        """
-        meta = {"generation": str(generation), "format": "crossfed-global-v1"}
-        state = {**self.master, **{MOMENTUM + k: v for k, v in self.momentum.items()}}
-        save_tensors(state, self._master_path(generation), meta, algo=None)
-        path = self.models_dir / f"global-{generation:06d}.safetensors"
-        digest = save_tensors(self.master, path, meta, dtype=torch.bfloat16)
-        store.set_meta(self.conn, f"global_digest:{generation}", digest)
-        crash_point("after_generation_write")
+    def _write_generation(
+        self, generation: int, fill: Callable[[Emit], T], *, momentum: bool
+    ) -> tuple[str, T, float]:
+        """Generation ``generation``'s files, written as ``fill`` produces its tensors
+        (:func:`crossfed.coordinator.generations.write_generation`)."""
+        return write_generation(
+            self._master_path(generation),
+            self.models_dir / f"global-{generation:06d}.safetensors",
+            self.shapes,
+            generation,
+            fill,
+            momentum=momentum,
+        )
 
     def _retain(self, generation: int, closed_round: int) -> None:
         """Retention once generation ``generation`` is committed: keep the last
-        ``keep_generations`` generations' model files, delete the merged rounds' delta
-        blobs, and blobs or partial uploads no delta refers to after ``BLOB_GRACE_S``."""
-        oldest = generation - max(1, self.keep_generations) + 1
+        ``keep_generations`` generations' masters and ``keep_models`` generations' global
+        models, delete the merged rounds' delta blobs, and blobs or partial uploads no delta
+        refers to after ``BLOB_GRACE_S``."""
+        oldest = {
+            "master": generation - max(1, self.keep_generations) + 1,
+            "global": generation - self.keep_models + 1 if self.keep_models > 0 else 0,
+        }
+        if self.keep_models > 0:
+            oldest["global"] = min(oldest["global"], oldest["master"])
         for path in self.models_dir.iterdir():
             match = _MODEL_FILE.match(path.name)
-            if match is not None and int(match.group(2)) < oldest:
+            if match is not None and int(match.group(2)) < oldest[match.group(1)]:
                 path.unlink(missing_ok=True)
             elif path.name.startswith(".") and path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)  # left by a killed write (writes hold the lock)
+                path.unlink(missing_ok=True)  # left by a killed write (this merge is the only one)
         merged = self.conn.execute(
             "SELECT DISTINCT blob FROM deltas WHERE round_no <= ?", (closed_round,)
         ).fetchall()
@@ -507,6 +546,13 @@ class Coordinator:
             self._check_site(site)
             assert self.book is not None
             current = self.current_round()
+            if self._closing is not None and round_no == self._closing:
+                raise CoordinatorError(
+                    409,
+                    "round_closed",
+                    f"round {round_no} is closing (its merge is running); round "
+                    f"{round_no + 1} opens when it is done",
+                )
             if round_no != current["round_no"]:
                 raise CoordinatorError(
                     409,
@@ -759,6 +805,15 @@ class Coordinator:
         if lease.site != site:
             raise CoordinatorError(403, "not_owner", f"lease {lease_id} belongs to another site")
         current = self.current_round()
+        if self._closing is not None and round_no == self._closing:
+            self._release_quietly(lease_id, site)
+            raise CoordinatorError(
+                409,
+                "stale_generation",
+                f"delta for round {round_no}, which is closing (its merge is running; round "
+                f"{round_no + 1} follows at generation {current['generation'] + 1}): "
+                "rejected, its blocks return to the pool",
+            )
         if generation != current["generation"] or round_no != current["round_no"]:
             self._release_quietly(lease_id, site)
             raise CoordinatorError(
@@ -816,7 +871,7 @@ class Coordinator:
         path = self.blobs.path(blob)
         try:
             with open_delta(path) as delta:
-                validate_delta(self.master, delta)
+                validate_delta(self._references(), delta)
         except DeltaError as exc:
             raise CoordinatorError(422, "bad_delta", f"delta rejected: {exc}") from exc
         except Exception as exc:  # safetensors raises its own errors for bad headers
@@ -844,6 +899,8 @@ class Coordinator:
                         lease.end - lease.start,
                     )
             current = self.current_round()
+            if self._closing is not None:
+                return None  # a merge in another thread is closing this round
             deltas = store.round_deltas(self.conn, current["round_no"])
             active = self.book.active_sites(current["round_no"])
             announced = self.conn.execute(
@@ -863,34 +920,51 @@ class Coordinator:
             )
             if reason is None:
                 return None
+            self._closing = current["round_no"]
+        try:
             return self._close_round(current, deltas, reason)
+        finally:
+            with self.lock:
+                self._closing = None
 
     def _close_round(self, current: dict, deltas: list[dict], reason: str) -> dict[str, Any]:
         """Apply Eq. 1 to the round's deltas, persist generation g+1 and open the next round.
 
-        The outer step updates master and momentum in place; if anything fails before the
-        new generation is committed (a full disk, a bad delta, SQLite), they are put back as
-        the committed generation has them on disk, so the next attempt never steps twice.
+        Runs without the lock (``_closing`` names the round meanwhile, so no delta joins
+        it and no second merge starts) until the commit. The merge reads generation g's
+        files and writes g+1's; nothing in memory changes before the commit, so a merge
+        that fails (a full disk, a bad delta, SQLite) leaves the run as it was and the next
+        attempt steps from generation g again.
         """
-        try:
-            return self._merge_and_publish(current, deltas, reason)
-        except BaseException:
-            self._restore_state()
-            raise
-
-    def _merge_and_publish(self, current: dict, deltas: list[dict], reason: str) -> dict[str, Any]:
         assert self.spec is not None
         started = time.perf_counter()
-        with ExitStack() as files:  # lazy, decoded views: each delta tensor is read once
-            views = [files.enter_context(open_delta(self.blobs.path(d["blob"]))) for d in deltas]
-            report = outer_step(
-                self.master, self.momentum, views, [d["tokens"] for d in deltas], self.spec.outer
-            )
-        merge_s = time.perf_counter() - started
         generation = current["generation"] + 1
-        write_started = time.perf_counter()
-        self._write_generation(generation)
-        checkpoint_s = time.perf_counter() - write_started
+        paths = [self.blobs.path(d["blob"]) for d in deltas]
+        tokens = [d["tokens"] for d in deltas]
+
+        def step(emit: Emit) -> OuterStepReport:
+            return merge_step(
+                self._master_path(current["generation"]), self.shapes, paths, tokens, emit,
+                self.spec.outer,
+            )  # fmt: skip
+
+        digest, report, checkpoint_s = self._write_generation(generation, step, momentum=True)
+        merge_s = time.perf_counter() - started - checkpoint_s
+        with self.lock:
+            return self._publish(current, deltas, reason, report, digest, merge_s, checkpoint_s)
+
+    def _publish(
+        self,
+        current: dict,
+        deltas: list[dict],
+        reason: str,
+        report: OuterStepReport,
+        digest: str,
+        merge_s: float,
+        checkpoint_s: float,
+    ) -> dict[str, Any]:
+        """Commit generation g+1 (its files are in place) and open the next round."""
+        generation = current["generation"] + 1
         global_step = current["global_step"] + max(d["steps"] for d in deltas)
         now = self.clock()
         summary = {
@@ -912,6 +986,7 @@ class Coordinator:
                 "WHERE round_no = ?",
                 (now, reason, json.dumps(summary), current["round_no"]),
             )
+            store.set_meta(self.conn, f"global_digest:{generation}", digest)
             store.set_meta(self.conn, "generation", generation)
             store.set_meta(self.conn, "global_step", global_step)
             self.conn.execute(
@@ -919,6 +994,7 @@ class Coordinator:
                 "VALUES (?, ?, 'open', ?, ?)",
                 (current["round_no"] + 1, generation, now, global_step),
             )
+        self.generation = generation
         crash_point("after_close_commit")
         self._retain(generation, current["round_no"])
         log.info(

@@ -1,0 +1,234 @@
+"""The coordinator's merge from files: generation g's state and the deltas in, g+1's files out.
+
+The streaming driver must give exactly what the in-memory Eq. 1 (``outer_step``, pinned
+against torch's SGD in tests/test_outer.py) gives; files in any tensor order must load alike;
+a bad state file is refused by name; and the merge's memory must not grow with the model.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from crossfed import outer
+from crossfed.coordinator.generations import (
+    MOMENTUM,
+    StateView,
+    merge_step,
+    read_shapes,
+    write_generation,
+)
+from crossfed.outer import OuterConfig, StateError, outer_step, stream_outer_step
+from crossfed.transport import TensorFile, digest_file, save_tensors
+
+SHAPES = {
+    "embed.weight": (97, 24),
+    "layers.0.attn.wq": (24, 48),
+    "layers.0.attn.q_norm": (8,),
+    "layers.0.mlp.w1": (3, 5, 70),
+    "layers.0.scale": (1,),
+    "layers.1.mlp.w2": (5000,),
+    "norm.weight": (24,),
+}
+KERNELS = ["eager", pytest.param("fused", marks=pytest.mark.slow)]
+PIN = 2e-6
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small eager blocks and fused size floor, so the small tensors exercise both paths."""
+    monkeypatch.setattr(outer, "_EAGER_BLOCK", 1000)
+    monkeypatch.setattr(outer, "_FUSED_MIN_NUMEL", 64)
+
+
+def tensors(seed: int, scale: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: (torch.randn(s, generator=gen) * scale).to(dtype) for k, s in SHAPES.items()}
+
+
+def collect(out: dict[str, torch.Tensor]):  # noqa: ANN201
+    def emit(name: str, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        out[name] = w.clone()
+        if b is not None:
+            out[MOMENTUM + name] = b.clone()
+
+    return emit
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_streaming_equals_the_in_memory_outer_step(kernel: str, small_blocks: None) -> None:
+    """Two rounds (the first fills the momentum) through both drivers: bit for bit with the
+    eager kernel, to the pinned 2e-6 with the fused one (the same kernel either way)."""
+    master, momentum = tensors(0, 0.5), {}
+    state = {k: v.clone() for k, v in master.items()}
+    for r in range(2):
+        deltas = [tensors(10 * r + i, 0.01, torch.bfloat16) for i in range(3)]
+        tokens = [300, 0, 100]  # a zero-token delta is not read
+        got: dict[str, torch.Tensor] = {}
+        masters = {k: v.clone() for k, v in state.items() if not k.startswith(MOMENTUM)}
+        moments = {k.removeprefix(MOMENTUM): v for k, v in state.items() if k.startswith(MOMENTUM)}
+        report = stream_outer_step(
+            SHAPES, masters, moments or None, deltas, tokens, collect(got), kernel=kernel
+        )
+        expected = outer_step(master, momentum, deltas, tokens, OuterConfig(), kernel=kernel)
+        assert report == expected
+        want = {**master, **{MOMENTUM + k: v for k, v in momentum.items()}}
+        assert list(got) == [n for k in SHAPES for n in (k, MOMENTUM + k)]
+        for name, value in want.items():
+            if kernel == "eager":
+                assert torch.equal(got[name], value), name
+            else:
+                assert torch.allclose(got[name], value, rtol=0, atol=PIN), name
+        state = got
+
+
+def test_no_contributor_hands_the_state_back_unchanged() -> None:
+    master = tensors(1, 0.5)
+    got: dict[str, torch.Tensor] = {}
+    views = {k: v.clone() for k, v in master.items()}
+    report = stream_outer_step(SHAPES, views, None, [tensors(2, 0.01)], [0], collect(got))
+    assert not report.applied and got.keys() == master.keys()
+    assert all(torch.equal(got[k], master[k]) for k in master)
+
+
+def test_bad_state_is_refused_by_name() -> None:
+    master = tensors(1, 0.5)
+    half = {k: v.half() if k == "norm.weight" else v for k, v in master.items()}
+    with pytest.raises(StateError, match="master tensor 'norm.weight'"):
+        stream_outer_step(SHAPES, half, None, [tensors(2, 0.01)], [5], lambda *a: None)
+    partial = {k: v for k, v in master.items() if k != "embed.weight"}
+    with pytest.raises(StateError, match="missing 'embed.weight'"):
+        stream_outer_step(SHAPES, master, partial, [tensors(2, 0.01)], [5], lambda *a: None)
+
+
+def write_state(path: Path, master: dict, momentum: dict, *, interleaved: bool) -> None:
+    """A state file with the new (name, momentum::name) order or the old one (all master
+    tensors, then all momentum tensors)."""
+    if interleaved:
+        state = {n: v for k in master for n, v in ((k, master[k]), (MOMENTUM + k, momentum[k]))}
+    else:
+        state = {**master, **{MOMENTUM + k: v for k, v in momentum.items()}}
+    save_tensors(state, path, {"generation": "1"}, algo=None)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["new-layout", "old-layout"])
+def test_a_merge_from_files_writes_what_the_in_memory_step_computes(
+    tmp_path: Path, interleaved: bool
+) -> None:
+    """Generation 1 on disk (in either tensor order), two delta files in, generation 2's
+    files out: fp32 state, bf16 model and its digest equal the in-memory step's."""
+    master, momentum = tensors(3, 0.5), tensors(4, 1e-3)
+    write_state(tmp_path / "master-1", master, momentum, interleaved=interleaved)
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"delta-{i}")
+        save_tensors(tensors(20 + i, 0.01, torch.bfloat16), paths[-1])
+    shapes = read_shapes(tmp_path / "master-1")
+    assert shapes == SHAPES
+
+    def step(emit):  # noqa: ANN001, ANN202
+        return merge_step(tmp_path / "master-1", shapes, paths, [70, 30], emit, OuterConfig())
+
+    out_state, out_model = tmp_path / "master-2", tmp_path / "global-2"
+    digest, report, write_s = write_generation(
+        out_state, out_model, shapes, 2, step, momentum=True
+    )
+    deltas = [load_file(str(p)) for p in paths]
+    expected = outer_step(master, momentum, deltas, [70, 30], OuterConfig())
+    assert report == expected and write_s > 0
+    state = load_file(str(out_state))
+    assert state.keys() == {*master, *(MOMENTUM + k for k in momentum)}
+    assert all(torch.equal(state[k], master[k]) for k in master)
+    assert all(torch.equal(state[MOMENTUM + k], momentum[k]) for k in momentum)
+    model = load_file(str(out_model))
+    assert all(torch.equal(model[k], master[k].to(torch.bfloat16)) for k in master)
+    assert digest == digest_file(out_model)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_failing_fill_leaves_no_file(tmp_path: Path) -> None:
+    def fill(emit):  # noqa: ANN001, ANN202
+        emit("embed.weight", torch.zeros(SHAPES["embed.weight"]), None)
+        raise RuntimeError("delta unreadable")
+
+    with pytest.raises(RuntimeError, match="delta unreadable"):
+        write_generation(tmp_path / "m", tmp_path / "g", SHAPES, 1, fill, momentum=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tensor_file_reads_fresh_or_into_a_buffer_and_refuses_bad_headers(tmp_path: Path) -> None:
+    master = tensors(5, 0.5)
+    path = tmp_path / "s"
+    save_tensors(master, path, {"k": "v"}, algo=None)
+    buffer = torch.empty(5000)
+    with TensorFile(path) as f:
+        assert f.keys() == list(SHAPES) and f.metadata() == {"k": "v"}
+        for name, value in master.items():
+            assert torch.equal(f.get_tensor(name), value)
+            into = f.read(name, buffer)
+            assert torch.equal(into, value) and into.data_ptr() == buffer.data_ptr()
+        with pytest.raises(ValueError, match="cannot hold"):
+            f.read("layers.1.mlp.w2", torch.empty(10))
+    view = StateView(path, momentum=False)
+    assert len(view) == len(SHAPES) and torch.equal(view["norm.weight"], master["norm.weight"])
+    assert len(StateView(path, momentum=True)) == 0
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    cut = tmp_path / "cut"
+    cut.write_bytes(raw[: len(raw) - 8])
+    with pytest.raises(ValueError, match="does not fit"):
+        TensorFile(cut)
+    huge = tmp_path / "huge"
+    huge.write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
+    with pytest.raises(ValueError, match="header length"):
+        TensorFile(huge)
+    junk = tmp_path / "junk"
+    junk.write_bytes(raw[:8] + b"{" * length + raw[8 + length :])
+    with pytest.raises(ValueError, match="not JSON"):
+        TensorFile(junk)
+
+
+def _status_kib(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
+    assert match is not None, key
+    return int(match.group(1))
+
+
+def test_the_merge_holds_a_few_tensors_not_the_model(tmp_path: Path) -> None:
+    """A 48-tensor model of 64M parameters (512 MiB of fp32 state, two 128 MiB deltas): the
+    merge's peak resident memory grows by a few of its largest tensors (4 MiB of fp32
+    each), far below the state it reads and writes."""
+    shapes = {f"layers.{i}.w": (1024, 1024 + 32 * (i % 3)) for i in range(48)}
+    shapes["embed.weight"] = (1000, 1024)
+    top = max(a * b for a, b in shapes.values()) * 4
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for name, shape in shapes.items():  # written one tensor at a time, like the deltas
+        state[name] = torch.randn(shape, generator=gen)
+        state[MOMENTUM + name] = torch.randn(shape, generator=gen) * 1e-3
+    save_tensors(state, tmp_path / "master-1", algo=None)
+    state_bytes = sum(v.nbytes for v in state.values())
+    del state
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"delta-{i}")
+        delta = {k: torch.randn(s, generator=gen).to(torch.bfloat16) for k, s in shapes.items()}
+        save_tensors(delta, paths[-1])
+        del delta
+
+    def step(emit):  # noqa: ANN001, ANN202
+        return merge_step(tmp_path / "master-1", shapes, paths, [3, 1], emit, OuterConfig())
+
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = _status_kib("VmRSS")
+    write_generation(tmp_path / "master-2", tmp_path / "global-2", shapes, 2, step, momentum=True)
+    growth = (_status_kib("VmHWM") - before) * 1024
+    assert growth < 10 * top + (48 << 20), f"peak grew {growth / 2**20:.0f} MiB"
+    assert growth < state_bytes / 4
