@@ -24,9 +24,9 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # The terminal of `make run`: crossfed's progress lines (the profile quiets Snakemake's job
-# banners; the scheduler's "Select jobs"/"Execute N jobs" lines are filtered here). Every
-# job's full output is in results/logs/, Snakemake's in .snakemake/log/.
-SCHEDULER_LINES := ^(Select jobs to execute|Execute [0-9]+ jobs)\.\.\.$$
+# banners; the scheduler's "Select jobs"/"Execute N jobs" and "Write-protecting" lines are
+# filtered here). Every job's full output is in results/logs/, Snakemake's in .snakemake/log/.
+SCHEDULER_LINES := ^((Select jobs to execute|Execute [0-9]+ jobs)\.\.\.|Write-protecting output file .*)$$
 REPORT_LOG := results/logs/report-html.log
 
 run: setup
