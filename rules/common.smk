@@ -61,6 +61,11 @@ CROSSFED_JOB = (
 # the Slurm jobs' own parses of the workflow leave the file that running jobs read alone.
 CONFIG = f"{RESULTS}/.crossfed/config.yaml"
 
+# The jobs' terminal output is training progress (crossfed.progress: a line per logging
+# interval and site, one per closed round with the run's ETA), warnings and errors; all the
+# rest a job says is in its rule log (`--log`). CROSSFED_TERMINAL=all shows everything.
+os.environ.setdefault("CROSSFED_TERMINAL", "progress")
+
 
 def write_config():
     """Write the effective config to CONFIG (atomically, and only when it changed)."""
