@@ -63,13 +63,45 @@ def _describe(error: ValidationError) -> str:
     return f"{where}: {error.message}" + (f" ({about})" if about else "")
 
 
+_SCALARS = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None)}
+
+
+def _typed(value: Any, schema: dict[str, Any]) -> Any:
+    """Scalars given as strings where the schema wants no string, read as YAML scalars.
+
+    Snakemake parses a nested ``--config data="{'seq_len': 64}"`` with YAML's base loader,
+    so every nested value arrives as a string; a top-level ``rounds=3`` arrives typed.
+    """
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return {k: _typed(v, props.get(k, {})) for k, v in value.items()}
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_typed(v, schema["items"]) for v in value]
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    if not isinstance(value, str) or "string" in kinds or not kinds:
+        return value
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    wanted = tuple(t for k in kinds if k in _SCALARS for t in _as_tuple(_SCALARS[k]))
+    if isinstance(parsed, wanted) and not (isinstance(parsed, bool) and bool not in wanted):
+        return parsed
+    return value
+
+
+def _as_tuple(kinds: Any) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
 def validate(data: dict[str, Any], schema_name: str, source: str) -> dict[str, Any]:
     """Validate ``data`` against ``workflow/schemas/<schema_name>``, filling defaults.
 
     Every problem is named in one ConfigError: where it is, and the likely fix.
     """
     schema = yaml.safe_load((SCHEMAS / schema_name).read_text())
-    data = copy.deepcopy(data)
+    data = _typed(copy.deepcopy(data), schema)
     # defaults of nested objects appear only once their parent exists: validate twice
     for _ in range(2):
         errors = sorted(_Validator(schema).iter_errors(data), key=lambda e: list(e.path))

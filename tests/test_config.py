@@ -260,3 +260,20 @@ def test_without_log_nothing_is_written(tmp_path: Path, monkeypatch: pytest.Monk
 def test_a_negative_block_seed_is_refused_at_read() -> None:
     with pytest.raises(ConfigError, match=r"data/seed: -1 is less than the minimum of 0"):
         load_run_config(None, {"data": {"seed": -1}})
+
+
+def test_nested_command_line_values_arrive_typed() -> None:
+    """`--config data="{'seq_len': 64}"` reaches the config as strings (YAML's base loader)."""
+    from crossfed.config import load_run_config
+
+    config = load_run_config(
+        None,
+        {"data": {"seq_len": "64", "inputs": ["7"], "tokenizer": "null"},
+         "model": {"compile": "true"}, "transport": {"inline_max_bytes": "0"}},
+    )  # fmt: skip
+    assert config["data"]["seq_len"] == 64
+    assert config["data"]["inputs"] == ["7"]  # a path stays a string
+    assert config["data"]["tokenizer"] == "null"  # string or null: a string is a string
+    assert config["model"]["compile"] is True and config["transport"]["inline_max_bytes"] == 0
+    with pytest.raises(ConfigError, match="seq_len"):
+        load_run_config(None, {"data": {"seq_len": "sixty"}})
