@@ -16,6 +16,11 @@ and no full-size fp32 temporary is made. Two kernels do the arithmetic: ``eager`
 in-place torch ops per cache-sized block; ``fused`` is the same expression compiled by
 ``torch.compile`` into one loop that touches each byte once (memory-bandwidth bound), used for
 large models when a C++ compiler is available.
+
+:func:`outer_step` works on tensors in memory; :func:`stream_outer_step` runs the same
+per-tensor arithmetic for state that lives in files (the coordinator's): it reads each
+master, momentum and delta tensor when its turn comes and hands the new tensors to a sink,
+so a merge holds a few tensors at a time, never the model.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,10 @@ from crossfed.coordinator.generations import (
     read_shapes,
     write_generation,
 )
+from crossfed.coordinator.service import CoordinatorError
 from crossfed.outer import OuterConfig, StateError, outer_step, stream_outer_step
-from crossfed.transport import TensorFile, digest_file, save_tensors
+from crossfed.transport import StreamWriter, TensorFile, digest_file, save_tensors
+from tests.conftest import digest_of, staged_delta
 
 SHAPES = {
     "embed.weight": (97, 24),
@@ -232,3 +235,53 @@ def test_the_merge_holds_a_few_tensors_not_the_model(tmp_path: Path) -> None:
     growth = (_status_kib("VmHWM") - before) * 1024
     assert growth < 10 * top + (48 << 20), f"peak grew {growth / 2**20:.0f} MiB"
     assert growth < state_bytes / 4
+
+
+def test_leases_and_heartbeats_are_answered_while_a_merge_runs(
+    tmp_path: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merge holds the lock only to start and to commit: held mid-write here, a
+    heartbeat is answered, the closing round refuses a lease and a delta, and the merge then
+    commits generation 1."""
+    staged = staged_delta(tmp_path / "state", tiny_data, seed=3)
+    coord, now, held = staged.coord, staged.now, staged.held
+    coord.submit(
+        site="lumi", round_no=1, lease_id=held["lease_id"], generation=0, tokens=100, steps=4,
+        consumed=held["n_blocks"], blob=staged.key,
+    )  # fmt: skip
+    coord.register("snellius", digest_of(tiny_data), 1, 1.0)
+    other = coord.lease("snellius", 1, 2, None, 1.0)["lease"]
+    inside, go_on = threading.Event(), threading.Event()
+    write = StreamWriter.write
+
+    def held_write(self: StreamWriter, tensor: torch.Tensor) -> None:
+        inside.set()
+        assert go_on.wait(60)
+        write(self, tensor)
+
+    monkeypatch.setattr(StreamWriter, "write", held_write)
+    for _ in range(13):  # past the round's 600 s deadline, snellius's lease kept alive
+        now[0] += 50.0
+        coord.heartbeat(other["lease_id"], "snellius", 1, None)
+    result: dict = {}
+    merger = threading.Thread(target=lambda: result.update(coord.tick() or {}))
+    merger.start()
+    try:
+        assert inside.wait(60)
+        beat = coord.heartbeat(other["lease_id"], "snellius", 1, None)  # blocked before
+        assert beat["lease"]["lease_id"] == other["lease_id"]
+        with pytest.raises(CoordinatorError) as refused:
+            coord.lease("lumi", 1, 2, None, 1.0)
+        assert refused.value.code == "round_closed"
+        with pytest.raises(CoordinatorError) as stale:
+            coord.submit(
+                site="snellius", round_no=1, lease_id=other["lease_id"], generation=0,
+                tokens=10, steps=1, consumed=1, blob=staged.key, by=None,
+            )  # fmt: skip
+        assert stale.value.code == "stale_generation"
+        assert coord.status()["generation"] == 0
+    finally:
+        go_on.set()
+        merger.join(120)
+    assert result["generation"] == 1 and result["contributors"] == ["lumi"]
+    assert coord.status()["generation"] == 1 and coord.status()["round"] == 2
