@@ -370,11 +370,9 @@ caption { text-align: left; font-weight: bold; padding: 4px 0; }
 
 def table_html(frame: pd.DataFrame, title: str, csv_name: str, path: Path) -> Path:
     """A table as a standalone HTML page (the report shows it inline; the CSV stays beside)."""
-    body = (
-        frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0)
-        if len(frame)
-        else "<p>(no rows)</p>"
-    )
+    body = frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0)
+    if frame.empty:  # the columns still say what would be there
+        body += "<p>(no rows)</p>"
     html = (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title>{TABLE_CSS}"
         f"</head><body><p><b>{title}</b> ({len(frame)} rows; CSV: <code>{csv_name}</code>)</p>"
