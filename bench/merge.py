@@ -1,12 +1,18 @@
-"""Benchmark: merge bf16 deltas into an fp32 master + momentum at Qwen3-0.6B scale.
+"""Benchmark: the coordinator's merge as it runs, files in and files out, at Qwen3 sizes.
 
-Times ``crossfed.outer.outer_step`` against a memory-bandwidth floor measured in the same run:
-plain torch streaming ops over the bytes any merge must touch (read every delta once, read
-and write master and momentum once). Prints one JSON object as its last line; ``ratio`` is
-merge_s / floor_s, both summed over the same model slices timed alternately (this machine is
-shared, so floor and merge are paired slice by slice and the quietest repeat is reported).
+Writes generation g's fp32 state file (master + momentum) and ``--contributors`` bf16 delta
+files of random weights shaped like Qwen3 ``--flavour``, then runs exactly what the
+coordinator runs to close a round (``crossfed.coordinator.generations.write_generation``
+around ``merge_step``: read the state and each delta tensor by tensor, Eq. 1, write g+1's fp32
+state and bf16 global model with fsync and rename). Its I/O floor is measured in the same run:
+plain reads of the same input files and plain writes (fsync'ed) of as many bytes as the merge
+writes, alternating with the merge. Prints one JSON object as its last line: ``merge_s``,
+``floor_s``, ``ratio`` (merge_s / floor_s of the quietest repeat) and ``peak_rss_gib`` (the
+process's peak resident memory during the merge; no file is memory-mapped, so this is the
+merge's private memory plus the interpreter's).
 
-    .venv/bin/python bench/merge.py                      # 596M parameters, about 9 GB of RAM
+    .venv/bin/python bench/merge.py                      # Qwen3-0.6B: about 14 GB of disk
+    .venv/bin/python bench/merge.py --flavour 1.7B       # about 42 GB of disk
     .venv/bin/python bench/merge.py --params 50000000    # quick run
 """
 
@@ -14,195 +20,231 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import resource
+import re
+import shutil
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from crossfed.outer import OuterConfig, outer_step
+from crossfed.coordinator.generations import MOMENTUM, merge_step, write_generation
+from crossfed.outer import OuterConfig, warm_up
+from crossfed.transport import TensorSpec, fsync_dir, save_stream
 
-# Qwen3-0.6B: tied embeddings, 28 layers, 16 query / 8 key-value heads of 128, SwiGLU 3072.
-VOCAB, HIDDEN, LAYERS, HEAD_DIM, Q_HEADS, KV_HEADS, FFN = 151936, 1024, 28, 128, 16, 8, 3072
+VOCAB, HEAD_DIM = 151936, 128
+# Qwen3 dense flavours: hidden, layers, query heads, key-value heads, SwiGLU width, tied
+FLAVOURS = {
+    "0.6B": (1024, 28, 16, 8, 3072, True),
+    "1.7B": (2048, 28, 16, 8, 6144, True),
+    "4B": (2560, 36, 32, 8, 9728, True),
+    "8B": (4096, 36, 32, 8, 12288, False),
+}
 
 
-def qwen3_layout(vocab: int = VOCAB, layers: int = LAYERS) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a Qwen3-0.6B-like model (596M parameters, 310 tensors)."""
-    q, kv = Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, HIDDEN)}
-    for i in range(layers):
+def qwen3_layout(
+    flavour: str = "0.6B", vocab: int = VOCAB, layers: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Qwen3 flavour (torchtitan's names; tied embeddings once)."""
+    hidden, depth, q_heads, kv_heads, ffn, tied = FLAVOURS[flavour]
+    q, kv = q_heads * HEAD_DIM, kv_heads * HEAD_DIM
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, hidden)}
+    for i in range(depth if layers is None else layers):
         p = f"layers.{i}."
         shapes |= {
-            p + "attention_norm.weight": (HIDDEN,),
-            p + "attention.wq.weight": (q, HIDDEN),
-            p + "attention.wk.weight": (kv, HIDDEN),
-            p + "attention.wv.weight": (kv, HIDDEN),
+            p + "attention_norm.weight": (hidden,),
+            p + "attention.wq.weight": (q, hidden),
+            p + "attention.wk.weight": (kv, hidden),
+            p + "attention.wv.weight": (kv, hidden),
             p + "attention.q_norm.weight": (HEAD_DIM,),
             p + "attention.k_norm.weight": (HEAD_DIM,),
-            p + "attention.wo.weight": (HIDDEN, q),
-            p + "ffn_norm.weight": (HIDDEN,),
-            p + "feed_forward.w1.weight": (FFN, HIDDEN),
-            p + "feed_forward.w3.weight": (FFN, HIDDEN),
-            p + "feed_forward.w2.weight": (HIDDEN, FFN),
+            p + "attention.wo.weight": (hidden, q),
+            p + "ffn_norm.weight": (hidden,),
+            p + "feed_forward.w1.weight": (ffn, hidden),
+            p + "feed_forward.w3.weight": (ffn, hidden),
+            p + "feed_forward.w2.weight": (hidden, ffn),
         }
-    shapes["norm.weight"] = (HIDDEN,)
+    shapes["norm.weight"] = (hidden,)
+    if not tied:
+        shapes["output.weight"] = (vocab, hidden)
     return shapes
 
 
-def scaled_layout(params: int | None) -> dict[str, tuple[int, ...]]:
-    """The full layout, or one with vocabulary and depth scaled down to about ``params``."""
-    full = sum(_numel(s) for s in qwen3_layout().values())
-    if params is None or params >= full:
-        return qwen3_layout()
-    f = params / full
-    return qwen3_layout(vocab=max(1, round(VOCAB * f)), layers=max(1, round(LAYERS * f)))
+def scaled_layout(flavour: str, params: int | None) -> dict[str, tuple[int, ...]]:
+    """The flavour's layout, or one with vocabulary and depth scaled down to about ``params``."""
+    full = qwen3_layout(flavour)
+    total = sum(math.prod(s) for s in full.values())
+    if params is None or params >= total:
+        return full
+    f = params / total
+    depth = FLAVOURS[flavour][1]
+    return qwen3_layout(flavour, vocab=max(1, round(VOCAB * f)), layers=max(1, round(depth * f)))
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def write_inputs(
+    folder: Path, layout: dict[str, tuple[int, ...]], contributors: int, seed: int
+) -> tuple[Path, list[Path]]:
+    """Generation 1's state file and the delta files, each written one tensor at a time."""
+    gen = torch.Generator().manual_seed(seed)
 
+    def uniform(shape: tuple[int, ...], scale: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape).uniform_(-scale, scale, generator=gen).to(dtype)
 
-def flat_views(layout: dict[str, tuple[int, ...]], flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each tensor of ``layout`` as a contiguous view of one flat buffer, in order."""
-    views, offset = {}, 0
+    specs = []
     for name, shape in layout.items():
-        n = _numel(shape)
-        views[name] = flat[offset : offset + n].view(shape)
-        offset += n
-    return views
+        specs += [TensorSpec(name, torch.float32, shape)]
+        specs += [TensorSpec(MOMENTUM + name, torch.float32, shape)]
+    state = folder / "master-000001.safetensors"
+
+    def state_tensor(spec: TensorSpec) -> torch.Tensor:
+        scale = 1e-3 if spec.name.startswith(MOMENTUM) else 0.05
+        return uniform(spec.shape, scale, torch.float32)
+
+    save_stream(state, specs, state_tensor, algo=None)
+    deltas = []
+    for i in range(contributors):
+        deltas.append(folder / f"delta-{i}.safetensors")
+        delta_specs = [TensorSpec(n, torch.bfloat16, s) for n, s in layout.items()]
+        save_stream(deltas[-1], delta_specs, lambda s: uniform(s.shape, 1e-3, torch.bfloat16))
+    return state, deltas
 
 
-def floor_pass(master: torch.Tensor, momentum: torch.Tensor, deltas: list[torch.Tensor]) -> None:
-    """Touch exactly the merge's bytes with plain streaming ops over flat buffers."""
-    for d in deltas:
-        d.view(torch.int16).max()  # read each bf16 delta once
-    master.mul_(1.0)  # read + write master
-    momentum.mul_(1.0)  # read + write momentum
+def floor_pass(inputs: list[Path], outputs: list[tuple[Path, int]], chunk: int = 64 << 20) -> None:
+    """The merge's I/O and nothing else: read every input file once, write (and fsync) as
+    many bytes as the merge writes."""
+    buffer = bytearray(chunk)
+    for path in inputs:
+        with open(path, "rb", buffering=0) as handle:
+            while handle.readinto(buffer):
+                pass
+    view = memoryview(buffer)
+    for path, size in outputs:
+        with open(path, "wb", buffering=0) as handle:
+            left = size
+            while left > 0:
+                left -= handle.write(view[: min(left, chunk)])
+            os.fsync(handle.fileno())
+        fsync_dir(path.parent)
+        path.unlink()
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def status_kib(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
+    return int(match.group(1)) if match else 0
 
 
-def param_groups(layout: dict[str, tuple[int, ...]], target: int) -> list[list[str]]:
-    """Consecutive tensors in groups of about ``target`` parameters (a big tensor stands alone)."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, shape in layout.items():
-        if size >= target:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += _numel(shape)
-    return groups
+def reset_peak_rss() -> bool:
+    """Linux: make the peak RSS (VmHWM) start again from the current RSS."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flavour", choices=sorted(FLAVOURS), default="0.6B")
     ap.add_argument("--params", type=int, default=None, help="scale the model down to ~N params")
-    ap.add_argument("--repeat", type=int, default=5, help="timed repetitions")
+    ap.add_argument("--repeat", type=int, default=2, help="timed merge + floor pairs")
     ap.add_argument("--contributors", type=int, default=3)
-    ap.add_argument("--kernel", choices=["auto", "eager", "fused"], default="auto")
-    ap.add_argument("--eager", action="store_true", help="also time the eager (fallback) kernel")
-    ap.add_argument("--group", type=int, default=80_000_000, help="params per paired slice")
+    ap.add_argument("--dir", type=Path, default=None, help="working folder (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
 
-    layout = scaled_layout(args.params)
-    params = sum(_numel(s) for s in layout.values())
-    groups = param_groups(layout, args.group)
-    print(f"layout: {len(layout)} tensors, {params:,} parameters, {len(groups)} slices", flush=True)
-    # Tensors are views of one flat buffer per role, so the floor can stream each role in one op.
-    flat_master = torch.empty(params).uniform_(-0.05, 0.05)
-    flat_momentum = torch.empty(params).uniform_(-1e-3, 1e-3)
-    flat_deltas = [
-        torch.empty(params, dtype=torch.bfloat16).uniform_(-1e-3, 1e-3)
-        for _ in range(args.contributors)
-    ]
-    master = flat_views(layout, flat_master)
-    momentum = flat_views(layout, flat_momentum)
-    deltas = [flat_views(layout, d) for d in flat_deltas]
-    tokens = [1_000_000 + 250_000 * i for i in range(args.contributors)]
-    config = OuterConfig()
-    bytes_touched = params * (2 * args.contributors + 8 + 8)
+    layout = scaled_layout(args.flavour, args.params)
+    params = sum(math.prod(s) for s in layout.values())
+    top = max(math.prod(s) for s in layout.values())
+    folder = Path(tempfile.mkdtemp(prefix="crossfed-merge-", dir=args.dir))
+    try:
+        print(f"layout: {len(layout)} tensors, {params:,} parameters, in {folder}", flush=True)
+        started = time.perf_counter()
+        state, deltas = write_inputs(folder, layout, args.contributors, args.seed)
+        print(f"inputs written in {time.perf_counter() - started:.1f} s", flush=True)
+        warm_up(params)  # the coordinator compiles its kernel when it loads a run
+        tokens = [1_000_000 + 250_000 * i for i in range(args.contributors)]
+        out_state = folder / "master-000002.safetensors"
+        out_model = folder / "global-000002.safetensors"
+        read_bytes = sum(p.stat().st_size for p in [state, *deltas])
+        runs, peaks, merge_only = [], [], []
 
-    def merge(kernel: str, names: list[str] | None = None) -> Callable[[], object]:
-        if names is None:
-            m, b, ds = master, momentum, deltas
-        else:
-            m = {k: master[k] for k in names}
-            b = {k: momentum[k] for k in names}
-            ds = [{k: d[k] for k in names} for d in deltas]
-        return lambda: outer_step(m, b, ds, tokens, config, kernel=kernel)
+        def merge() -> tuple[float, float]:
+            def step(emit):  # noqa: ANN001, ANN202
+                return merge_step(state, layout, deltas, tokens, emit, OuterConfig())
 
-    def floor(names: list[str]) -> Callable[[], object]:
-        lo = master[names[0]].data_ptr() // 4 - flat_master.data_ptr() // 4
-        hi = lo + sum(master[k].numel() for k in names)
-        return lambda: floor_pass(
-            flat_master[lo:hi], flat_momentum[lo:hi], [d[lo:hi] for d in flat_deltas]
-        )
+            t0 = time.perf_counter()
+            _, _, write_s = write_generation(out_state, out_model, layout, 2, step, momentum=True)
+            return time.perf_counter() - t0, write_s
 
-    def paired(kernel: str) -> tuple[float, float]:
-        """Floor and merge slice by slice, alternating which goes first: same load for both."""
-        f = m = 0.0
-        for i, names in enumerate(groups):
-            if i % 2:
-                m += timed(merge(kernel, names))
-            f += timed(floor(names))
-            if not i % 2:
-                m += timed(merge(kernel, names))
-        return f, m
+        def measured_merge() -> tuple[float, float, tuple[int, int]]:
+            for p in (out_state, out_model):
+                p.unlink(missing_ok=True)
+            reset_peak_rss()
+            base = status_kib("VmRSS")
+            merge_s, write_s = merge()
+            return merge_s, write_s, (status_kib("VmHWM"), base)
 
-    first_s = timed(merge(args.kernel))  # includes compiling the fused kernel, if used
-    runs, eager_runs, whole = [], [], []
-    for r in range(args.repeat):
-        runs.append(paired(args.kernel))
-        whole.append(timed(merge(args.kernel)))
-        line = f"repeat {r}: floor {runs[-1][0]:.3f} s, merge[{args.kernel}] {runs[-1][1]:.3f} s"
-        line += f" (ratio {runs[-1][1] / runs[-1][0]:.2f}), one call {whole[-1]:.3f} s"
-        if args.eager and args.kernel != "eager":
-            eager_runs.append(paired("eager"))
-            e_floor, e_merge = eager_runs[-1]
-            line += f"; floor {e_floor:.3f} s, merge[eager] {e_merge:.3f} s"
-        print(line, flush=True)
+        sizes: list[tuple[Path, int]] = []
+
+        def measured_floor() -> float:
+            for p in (out_state, out_model):
+                p.unlink(missing_ok=True)
+            t0 = time.perf_counter()
+            floor_pass([state, *deltas], sizes)
+            return time.perf_counter() - t0
+
+        for r in range(args.repeat):  # alternate which goes first: the same load for both
+            if r % 2 == 0:
+                merge_s, write_s, peak = measured_merge()
+                outs = (out_state, out_model)
+                sizes = [(folder / f"floor-{p.name}", p.stat().st_size) for p in outs]
+                floor_s = measured_floor()
+            else:
+                floor_s = measured_floor()
+                merge_s, write_s, peak = measured_merge()
+            peaks.append(peak)
+            runs.append((floor_s, merge_s))
+            merge_only.append(merge_s - write_s)
+            print(
+                f"repeat {r}: floor {floor_s:.2f} s, merge {merge_s:.2f} s "
+                f"(ratio {merge_s / floor_s:.2f}; writing {write_s:.2f} s), "
+                f"peak RSS {peak[0] / 2**20:.2f} GiB",
+                flush=True,
+            )
+        written = sum(size for _, size in sizes)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
     floor_s, merge_s = min(runs, key=sum)  # the quietest repeat: both halves ran under it
-    ratios = [m / f for f, m in runs]
+    peak, base = max(peaks)
     result = {
-        "merge_s": round(merge_s, 4),
-        "floor_s": round(floor_s, 4),
-        "ratio": round(merge_s / floor_s, 3),
+        "flavour": args.flavour,
         "params": params,
-        "threads": torch.get_num_threads(),
-        "kernel": args.kernel,
+        "peak_rss_gib": round(peak / 2**20, 2),
+        "merge_s": round(merge_s, 2),
+        "floor_s": round(floor_s, 2),
+        "ratio": round(merge_s / floor_s, 3),
+        "ratio_median": round(statistics.median(m / f for f, m in runs), 3),
+        "rss_growth_gib": round((peak - base) / 2**20, 2),
+        "largest_tensor_gib": round(top * 4 / 2**30, 3),
+        "state_gib": round(params * 8 / 2**30, 2),
+        "bytes_read_gb": round(read_bytes / 1e9, 2),
+        "bytes_written_gb": round(written / 1e9, 2),
+        "floor_gb_per_s": round((read_bytes + written) / floor_s / 1e9, 2),
+        "compute_s_best": round(min(merge_only), 2),
         "tensors": len(layout),
         "contributors": args.contributors,
+        "threads": torch.get_num_threads(),
         "repeat": args.repeat,
-        "ratio_median": round(statistics.median(ratios), 3),
-        "merge_one_call_best_s": round(min(whole), 4),
-        "floor_gb_per_s": round(bytes_touched / floor_s / 1e9, 2),
-        "first_call_s": round(first_s, 3),
-        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
-    if eager_runs:
-        e_floor, e_merge = min(eager_runs, key=sum)
-        result |= {
-            "eager_s": round(e_merge, 4),
-            "eager_ratio": round(e_merge / e_floor, 3),
-            "eager_ratio_median": round(statistics.median(m / f for f, m in eager_runs), 3),
-        }
     print(json.dumps(result))
 
 
