@@ -196,8 +196,10 @@ def round_phases(rounds: pd.DataFrame, results: Path) -> pd.DataFrame:
                 when = pd.to_datetime(times, utc=True, format="ISO8601").min().timestamp()
         probed.append(when if when is not None else row["opened_at"])
     opened, closed = frame["opened_at"], frame["closed_at"]
-    probed_at = pd.Series(probed, index=frame.index).clip(lower=opened, upper=closed)
-    lease_at = pd.Series(first_lease, index=frame.index).clip(lower=probed_at, upper=closed)
+    # a chained site leases as soon as a round opens, before the workflow's probe of it:
+    # the round's start-up ends at its first lease, whichever came first
+    lease_at = pd.Series(first_lease, index=frame.index).clip(lower=opened, upper=closed)
+    probed_at = pd.Series(probed, index=frame.index).clip(lower=opened, upper=lease_at)
     frame["until_probe_s"] = probed_at - opened
     frame["startup_s"] = lease_at - probed_at
     named = [c for c, _, _ in ROUND_PARTS if c != "other_s"]
@@ -327,6 +329,7 @@ def plot_probe_history(history: pd.DataFrame, path: Path) -> Path:
             probed_at=pd.to_datetime(frame["probed_at"], utc=True, format="ISO8601")
         )
         for (site, shape), rows in frame.groupby(["site", "shape"]):
+            rows = rows.sort_values("probed_at")  # histories of several jobs interleave
             ax.plot(rows["probed_at"], rows["wait_s"] / 60.0, marker=".", label=f"{site} {shape}")
             shown = True
     if shown:
