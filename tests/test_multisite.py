@@ -63,7 +63,7 @@ from test_real_site_commands import (
 )
 from test_slurm_workflow import catches_sigint, sigint_default, submitting
 
-from crossfed.coordinator.client import CoordinatorClient
+from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.coordinator.embedded import free_port
 from crossfed.darl.ledger import COMMITTED_TABLE
 
@@ -323,7 +323,13 @@ def queued(cluster: SlurmTestCluster, rule: str = "") -> list[str]:
 
 
 def closed(admin: CoordinatorClient, round_no: int) -> dict | None:
-    info = admin.round_info(round_no) if round_no <= ROUNDS else None
+    """The coordinator's record of ``round_no`` once it has closed (not yet opened: None)."""
+    try:
+        info = admin.round_info(round_no) if round_no <= ROUNDS else None
+    except Refused as exc:
+        if exc.code != "unknown_round":
+            raise
+        return None
     return info if info and info["status"] == "closed" else None
 
 
