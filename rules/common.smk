@@ -145,13 +145,14 @@ def job_shape(input, wildcards):
 
 
 def chain_last(wildcards):
-    """The last job of a site's chain: the DAG grows one chain job at a time (checkpoints).
+    """The last job of a site's chain through round `last_round`: the DAG grows one chain
+    job at a time (checkpoints).
 
     A chain that completed a shorter run goes on when the run has been extended.
     """
     for job in range(1, config["chain"]["max_jobs"] + 1):
         outcome = checkpoints.train_job.get(site=wildcards.site, job=job).output.outcome
-        if not chain_continues(json.loads(open(outcome).read()), config["rounds"]):
+        if not chain_continues(json.loads(open(outcome).read()), int(wildcards.last_round)):
             return outcome
     raise ConfigError(f"site {wildcards.site}: chain reached chain.max_jobs jobs")
 

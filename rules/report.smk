@@ -8,7 +8,7 @@ rule report:
     input:
         evaluations=expand(f"{RESULTS}/rounds/{{round}}/eval.json", round=[0] + ROUNDS),
         merges=expand(f"{RESULTS}/rounds/{{round}}/merge.json", round=ROUNDS),
-        chains=expand(f"{RESULTS}/sites/{{site}}/chain.json", site=SLURM_SITES),
+        chains=CHAIN_ENDS,
     output:
         final=f"{RESULTS}/metrics/final.json",
         rounds=f"{RESULTS}/metrics/rounds.csv",

@@ -76,21 +76,28 @@ checkpoint train_job:
         " --threads {threads} --out {output.outcome}"
 
 
+# The chain's end is named after the run's last round: an extended run asks for a file
+# that does not exist yet, so its chain goes on (under rerun-triggers: mtime, a job whose
+# output exists is never rerun for an input its input function only now names).
 rule chain_end:
     input:
         last=chain_last,
     output:
-        end=f"{RESULTS}/sites/{{site}}/chain.json",
+        end=f"{RESULTS}/sites/{{site}}/chain-{{last_round}}.json",
     log:
-        f"{LOGS}/train/{{site}}-chain.log",
+        f"{LOGS}/train/{{site}}-chain-{{last_round}}.log",
     wildcard_constraints:
         site=alternatives(SLURM_SITES),
+        last_round=r"[1-9]\d*",
     conda:
         CONDA_ENV
     shell:
         "cp {input.last} {output.end} 2> {log}"
 
 
+CHAIN_ENDS = expand(
+    f"{RESULTS}/sites/{{site}}/chain-{{last_round}}.json", site=SLURM_SITES, last_round=ROUNDS[-1]
+)
 TRAIN_TARGETS = expand(
     f"{RESULTS}/rounds/{{round}}/train/{{site}}.json", round=ROUNDS, site=LOCAL_SITES
-) + expand(f"{RESULTS}/sites/{{site}}/chain.json", site=SLURM_SITES)
+) + CHAIN_ENDS

@@ -9,15 +9,18 @@ jobs, which run on the same host, reach it there. The workflow probes both parti
 Slurm executor submits chained training jobs that train rounds back to back. One snellius
 job is cancelled mid-round with ``scancel``; later the whole workflow is interrupted
 (Ctrl-C, which cancels its Slurm jobs) and run again, and it resumes from the last
-completed round. The ledger must stay exact throughout. Finally ``--lint`` and
-``--report`` run on the finished workdir.
+completed round. The ledger must stay exact throughout. ``--lint`` and ``--report`` run
+on the finished workdir; finally the run is extended by one round (``--config rounds=``),
+which the chains' next jobs train without touching anything of the finished rounds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -33,7 +36,7 @@ import pytest
 import yaml
 from slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
 
-from crossfed.darl.ledger import COMMITTED_TABLE
+from crossfed.darl.ledger import COMMITTED_TABLE, EVENTS_TABLE
 from crossfed.report import probe_history
 from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import read_probes
@@ -219,6 +222,35 @@ def _job_index(path: Path) -> int:
     return int(path.parent.name.split("-")[1])
 
 
+def fingerprint(results: Path) -> dict[str, str]:
+    """Digest of every file the finished rounds and chain jobs left (models, records, plans).
+
+    Not a site's working state (``sites/<site>/state``, its model cache, its lock): that
+    rolls on with every round the site trains.
+    """
+    keep = ("checkpoints", "rounds", ".crossfed/models", "data", "sites/*/job-*")
+    files = [p for part in keep for d in results.glob(part) for p in d.rglob("*") if p.is_file()]
+    files += [results / "run.json", *results.glob("sites/*/chain-*.json")]
+    return {str(p.relative_to(results)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def ledger_events(results: Path) -> list[tuple]:
+    with sqlite3.connect(results / "coordinator" / "state.sqlite") as conn:
+        return conn.execute(f"SELECT seq, op, args FROM {EVENTS_TABLE} ORDER BY seq").fetchall()
+
+
+def stored_spec(results: Path) -> dict:
+    """The run spec the coordinator keeps (state.sqlite meta 'spec')."""
+    with sqlite3.connect(results / "coordinator" / "state.sqlite") as conn:
+        return json.loads(conn.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()[0])
+
+
+def dry_run_outputs(text: str) -> list[str]:
+    """The output files of every job a dry run lists."""
+    return [f for line in re.findall(r"^\s*output: (.*)$", text, flags=re.M)
+            for f in line.split(", ")]  # fmt: skip
+
+
 def check_ledger(results: Path) -> pd.DataFrame:
     ledger = pd.read_csv(results / "ledger.csv")
     per_site, total = ledger[ledger["site"] != "total"], ledger[ledger["site"] == "total"].iloc[0]
@@ -367,6 +399,48 @@ def test_two_slurm_sites_chain_jobs_survive_scancel_and_resume(
     for plot in ("perplexity.png", "perplexity_wallclock.png", "round_time.png"):
         assert any(n.endswith(plot) for n in names), names
     timings["lint_report_s"] = time.monotonic() - t2
+
+    # 4. the finished run is extended by one round: each chain's next job trains round 9
+    # (their last jobs completed the 8-round run) and nothing of rounds 1-8 changes
+    t3 = time.monotonic()
+    extend = f"rounds={ROUNDS + 1}"
+    before, events_before = fingerprint(results), ledger_events(results)
+    last_job = {site: len(outcomes(results, site)) for site in ("lumi", "snellius")}
+    dry = finish(snakemake(cwd, cluster, "-n", "--config", extend, name="extend-dry"))
+    planned = dry_run_outputs(dry)
+    for site, job in last_job.items():
+        for name in ("probe.csv", "plan.json", "outcome.json"):
+            assert f"results/sites/{site}/job-{job + 1}/{name}" in planned, (site, dry[-6000:])
+        assert f"results/sites/{site}/chain-{ROUNDS + 1}.json" in planned, planned
+    for name in ("probe.csv", "plan.json", "merge.json", "eval.json"):
+        assert f"results/rounds/{ROUNDS + 1}/{name}" in planned, planned
+    assert f"results/checkpoints/global-{ROUNDS + 1}.safetensors" in planned, planned
+    old_jobs = [f"sites/{s}/job-{j}/" for s, n in last_job.items() for j in range(1, n + 1)]
+    for path in planned:
+        assert not re.search(rf"/rounds/[0-{ROUNDS}]/|global-[0-{ROUNDS}]\.", path), path
+        assert not any(job in path for job in old_jobs), path
+    assert fingerprint(results) == before  # a dry run changes nothing
+
+    finish(snakemake(cwd, cluster, "--config", extend, name="extend"))
+    timings["extend_s"] = time.monotonic() - t3
+    info = json.loads((results / "rounds" / str(ROUNDS + 1) / "merge.json").read_text())
+    assert info["status"] == "closed" and info["report"]["generation"] == ROUNDS + 1, info
+    assert info["report"]["contributors"], info
+    assert set(info["report"]["contributors"]) <= {"lumi", "snellius"}, info
+    after = fingerprint(results)
+    assert {k: after.get(k) for k in before} == before  # byte for byte
+    events = ledger_events(results)
+    assert events[: len(events_before)] == events_before and len(events) > len(events_before)
+    config = yaml.safe_load((cwd / "config" / "config.yaml").read_text())
+    assert stored_spec(results)["schedule"]["total_steps"] == config["inner"]["steps"] * (
+        ROUNDS + 1
+    )
+    assert json.loads((results / "metrics" / "final.json").read_text())["rounds"] == ROUNDS + 1
+    for site, job in last_job.items():  # each chain went on with its next job
+        jobs = outcomes(results, site)
+        assert len(jobs) > job and jobs[-1]["stopped"] == "run_complete", (site, jobs[job:])
+        assert jobs[-1]["next_round"] == ROUNDS + 2, jobs[-1]
+    check_ledger(results)
     timings["total_s"] = time.monotonic() - t0
     print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
 
