@@ -106,9 +106,13 @@ def alternatives(names):
     return "|".join(names) if names else "(?!)"
 
 
-def previous_eval(wildcards):
-    """A round starts from the checkpoint of the round before it (round 0 = initial model)."""
-    return f"{RESULTS}/rounds/{int(wildcards.round) - 1}/eval.json"
+def previous_model(wildcards):
+    """A round starts from the global model of the round before it (round 0 = initial model).
+
+    Not from that model's evaluation: a site that joins late trains the coordinator's
+    current round without first evaluating every older generation (evaluations run alongside).
+    """
+    return f"{RESULTS}/checkpoints/global-{int(wildcards.round) - 1}.safetensors"
 
 
 def previous_round(wildcards):

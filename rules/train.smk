@@ -12,7 +12,7 @@
 rule train:
     input:
         plan=f"{RESULTS}/rounds/{{round}}/plan.json",
-        previous=previous_eval,
+        previous=previous_model,
     output:
         outcome=f"{RESULTS}/rounds/{{round}}/train/{{site}}.json",
     log:
