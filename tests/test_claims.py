@@ -117,12 +117,14 @@ def test_a_site_runs_more_inner_steps_than_h_when_its_lease_holds_them(
     more windows than H steps take, and the site trains them all: steps past H are real."""
     g0 = global_model(run, 0, tmp_path)
     lease = join_and_lease(run, "lumi", tiny_data, n_blocks=3)
+    # both leases are held before either delta goes in: a round with no active lease left
+    # closes once its join window has passed, which a busy machine can reach in between
+    other = join_and_lease(run, "snellius", tiny_data, n_blocks=2)
     windows = lease_windows(tiny_data, lease, 3)
     assert windows > 4
     reply = submit(run, "lumi", lease, delta_file(tmp_path, g0), tokens=windows * SEQ_LEN)
     assert reply["accepted"]
     # ... and submit() claims 4 steps; a site with one window per step claims one per window
-    other = join_and_lease(run, "snellius", tiny_data, n_blocks=2)
     steps = lease_windows(tiny_data, other, 2)
     answer = run.client("snellius").submit_delta(
         1, delta_file(tmp_path, g0, seed=5, name="b"), inline=False, site="snellius",

@@ -72,6 +72,8 @@ def checkout(dest: Path) -> Path:
         cwd=REPO, capture_output=True, check=True,
     ).stdout.decode().split("\0")  # fmt: skip
     for name in filter(None, listed):
+        if name == ".venv":  # a venv linked in (not a folder), which .gitignore's `.venv/` misses
+            continue
         source, target = REPO / name, dest / name
         if not source.exists() and not source.is_symlink():
             continue  # deleted in the working tree
