@@ -11,6 +11,7 @@ rule checkpoint:
     log:
         f"{LOGS}/checkpoint/{{generation}}.log",
     params:
+        crossfed=CROSSFED_JOB,
         config=CONFIG,
     threads: 1
     conda:
@@ -20,6 +21,6 @@ rule checkpoint:
     envmodules:
         *MODULES,
     shell:
-        "{CROSSFED_JOB} --log {log} checkpoint --config {params.config}"
+        "{params.crossfed} --log {log} checkpoint --config {params.config}"
         " --generation {wildcards.generation} --model-out {input.model}"
         " --out {output.evaluation} --threads {threads}"

@@ -38,8 +38,9 @@ CONTAINER = config["software"]["container"]
 MODULES = config["software"]["modules"]
 CONDA_ENV = "../workflow/envs/crossfed.yaml"
 
-# How the rules and hooks call crossfed, whatever PATH says (the shell commands name these
-# globals, not params, so a venv at another path does not make finished jobs look changed).
+# How the rules and hooks call crossfed, whatever PATH says (each rule takes it as a param,
+# as `snakemake --lint` asks; a venv at another path does not make finished jobs look
+# changed, since the profiles rerun jobs on file times only: rerun-triggers: mtime).
 # On the host (hooks, login-node rules, Slurm jobs without a container, env-modules jobs,
 # which load the modules first) it is the crossfed of the Python running Snakemake: a Slurm
 # job re-runs `<that python> -m snakemake` from the shared filesystem, so the path holds on

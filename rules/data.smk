@@ -20,6 +20,7 @@ rule prepare_plan:
     log:
         f"{LOGS}/prepare_plan.log",
     params:
+        crossfed=CROSSFED_JOB,
         config=CONFIG,
     conda:
         CONDA_ENV
@@ -28,7 +29,7 @@ rule prepare_plan:
     envmodules:
         *MODULES,
     shell:
-        "{CROSSFED_JOB} --log {log} data prepare --config {params.config} --plan"
+        "{params.crossfed} --log {log} data prepare --config {params.config} --plan"
 
 
 rule prepare_part:
@@ -42,6 +43,7 @@ rule prepare_part:
     wildcard_constraints:
         part=r"\d+",
     params:
+        crossfed=CROSSFED_JOB,
         config=CONFIG,
     conda:
         CONDA_ENV
@@ -50,7 +52,7 @@ rule prepare_part:
     envmodules:
         *MODULES,
     shell:
-        "{CROSSFED_JOB} --log {log} data prepare --config {params.config} --part {wildcards.part}"
+        "{params.crossfed} --log {log} data prepare --config {params.config} --part {wildcards.part}"
 
 
 rule prepare_data:
@@ -62,6 +64,7 @@ rule prepare_data:
     log:
         f"{LOGS}/prepare_data.log",
     params:
+        crossfed=CROSSFED_JOB,
         config=CONFIG,
     conda:
         CONDA_ENV
@@ -72,7 +75,7 @@ rule prepare_data:
     shell:
         # the settings come from the config file, not params: a changed data setting is
         # refused when the workflow is read (crossfed.resume), never a rerun that deletes
-        "{CROSSFED_JOB} --log {log} data prepare --config {params.config}"
+        "{params.crossfed} --log {log} data prepare --config {params.config}"
 
 
 rule init_run:
@@ -84,9 +87,10 @@ rule init_run:
     log:
         f"{LOGS}/init_run.log",
     params:
+        crossfed=CROSSFED,
         config=CONFIG,
     conda:
         CONDA_ENV
     shell:
-        "{CROSSFED} --log {log} run init --config {params.config} --out {output.run}"
+        "{params.crossfed} --log {log} run init --config {params.config} --out {output.run}"
         " --model-out {output.model}"

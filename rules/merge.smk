@@ -17,9 +17,10 @@ rule merge:
     wildcard_constraints:
         round=r"[1-9]\d*",
     params:
+        crossfed=CROSSFED,
         config=CONFIG,
     conda:
         CONDA_ENV
     shell:
-        "{CROSSFED} --log {log} round wait --config {params.config}"
+        "{params.crossfed} --log {log} round wait --config {params.config}"
         " --round {wildcards.round} --out {output.merge} --model-out {output.model}"

@@ -15,6 +15,8 @@ rule plan:
     log:
         f"{LOGS}/plan/{{for_round}}.log",
     params:
+        crossfed=CROSSFED,
+        python=PYTHON,
         config=CONFIG,
         sites=config["sites_file"],
         done=lambda wildcards: int(wildcards.for_round) - 1,
@@ -25,13 +27,13 @@ rule plan:
     shell:
         # measured rounds -> the planner's job log; the plan's accumulation then fills the
         # barrier from measured step times (crossfed.train.barrier, paper Fig. 2a)
-        "{PYTHON} -m crossfed.train.barrier job-log --results {params.results}"
+        "{params.python} -m crossfed.train.barrier job-log --results {params.results}"
         " --before {wildcards.for_round}"
         " --sites {params.sites} --out {params.job_log} > {log} 2>&1"
-        " && {CROSSFED} --log {log} plan --config {params.config}"
+        " && {params.crossfed} --log {log} plan --config {params.config}"
         " --probes {input.probe} --round {params.done} --job-log {params.job_log}"
         " --out {output.plan}"
-        " && {PYTHON} -m crossfed.train.barrier fill --plan {output.plan}"
+        " && {params.python} -m crossfed.train.barrier fill --plan {output.plan}"
         " --job-log {params.job_log} --sites {params.sites} >> {log} 2>&1"
 
 
@@ -45,10 +47,11 @@ rule plan_job:
     log:
         f"{LOGS}/plan/{{site}}-job{{job}}.log",
     params:
+        crossfed=CROSSFED,
         config=CONFIG,
         done=rounds_done,
     conda:
         CONDA_ENV
     shell:
-        "{CROSSFED} --log {log} plan --config {params.config} --probes {input.probe}"
+        "{params.crossfed} --log {log} plan --config {params.config} --probes {input.probe}"
         " --sacct-history {input.sacct} --round {params.done} --out {output.plan}"

@@ -11,13 +11,14 @@ rule probe:
     log:
         f"{LOGS}/probe/{{round}}.log",
     params:
+        crossfed=CROSSFED,
         sites=config["sites_file"],
         only=probe_only(),
         history=f"{RESULTS}/probes/history.csv",
     conda:
         CONDA_ENV
     shell:
-        "{CROSSFED} --log {log} probe --sites {params.sites} {params.only}"
+        "{params.crossfed} --log {log} probe --sites {params.sites} {params.only}"
         " --out {output.probe} --history {params.history}"
 
 
@@ -30,6 +31,7 @@ rule probe_job:
     log:
         f"{LOGS}/probe/{{site}}-job{{job}}.log",
     params:
+        crossfed=CROSSFED,
         sites=config["sites_file"],
         only=" ".join(f"--site {s}" for s in SLURM_SITES),
         history=lambda wildcards: f"{RESULTS}/probes/history-{wildcards.site}.csv",
@@ -37,6 +39,6 @@ rule probe_job:
         CONDA_ENV
     shell:
         # sacct may be unavailable (a warning, no history): the plan then uses gamma = 1
-        "{CROSSFED} --log {log} probe --sites {params.sites} {params.only}"
+        "{params.crossfed} --log {log} probe --sites {params.sites} {params.only}"
         " --out {output.probe} --history {params.history} --sacct-out {output.sacct}"
         " && touch {output.sacct}"

@@ -38,8 +38,9 @@ rule report:
     log:
         f"{LOGS}/report.log",
     params:
+        crossfed=CROSSFED,
         config=CONFIG,
     conda:
         CONDA_ENV
     shell:
-        "{CROSSFED} --log {log} report --config {params.config}"
+        "{params.crossfed} --log {log} report --config {params.config}"

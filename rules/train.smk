@@ -20,6 +20,7 @@ rule train:
     wildcard_constraints:
         site=alternatives(LOCAL_SITES),
     params:
+        crossfed=CROSSFED_JOB,
         config=CONFIG,
     threads: 1
     retries: 2
@@ -30,7 +31,7 @@ rule train:
     envmodules:
         *MODULES,
     shell:
-        "{CROSSFED_JOB} --log {log} site run --config {params.config} --site {wildcards.site}"
+        "{params.crossfed} --log {log} site run --config {params.config} --site {wildcards.site}"
         " --round {wildcards.round} --plan {input.plan} --threads {threads}"
         " --out {output.outcome}"
 
@@ -46,6 +47,7 @@ checkpoint train_job:
     wildcard_constraints:
         site=alternatives(SLURM_SITES),
     params:
+        crossfed=CROSSFED_JOB,
         config=CONFIG,
     threads: 1
     retries: 3
@@ -71,7 +73,7 @@ checkpoint train_job:
     envmodules:
         *MODULES,
     shell:
-        "{CROSSFED_JOB} --log {log} site run --config {params.config} --site {wildcards.site}"
+        "{params.crossfed} --log {log} site run --config {params.config} --site {wildcards.site}"
         " --through-round run --until-walltime auto --plan {input.plan}"
         " --threads {threads} --out {output.outcome}"
 
