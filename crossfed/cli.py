@@ -337,7 +337,8 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     )
     if args.model_out:  # the initial model, for the round-0 evaluation
         _secure_model(config, client, 0, Path(args.model_out))
-    _write_json(args.out, {"spec": spec.to_dict(), **reply})
+    if args.out or not args.resume_only:  # the workflow's hook wants the one-line summary
+        _write_json(args.out, {"spec": spec.to_dict(), **reply})
     return 0
 
 
