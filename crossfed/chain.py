@@ -76,8 +76,13 @@ Runner = Callable[[Sequence[str]], str]
 
 
 def _run(cmd: Sequence[str]) -> str:
+    """Run a Slurm client command with standard (ISO) times, whatever the user's format."""
+    from crossfed.sched.sacct import slurm_client_env
+
     try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            list(cmd), capture_output=True, text=True, timeout=60, env=slurm_client_env()
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ChainError(f"{cmd[0]} failed: {exc}") from exc
     if proc.returncode != 0:

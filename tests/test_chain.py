@@ -312,3 +312,11 @@ def test_sacct_rows_with_fields_not_yet_filled_in_are_kept_and_skipped_by_gamma(
     assert records[0].timelimit_s is None and records[1].elapsed_s == 0.0
     discount = walltime_discount(records, datetime(2026, 11, 29))
     assert discount.jobs == 3 and discount.gamma == pytest.approx(0.1)
+
+
+def test_slurm_commands_of_a_chain_run_with_standard_times(monkeypatch) -> None:
+    """A user's SLURM_TIME_FORMAT=relative would make squeue's end time unreadable."""
+    from crossfed.chain import _run
+
+    monkeypatch.setenv("SLURM_TIME_FORMAT", "relative")
+    assert "SLURM_TIME_FORMAT=standard" in _run(["env"]).splitlines()
