@@ -28,16 +28,8 @@ from crossfed.coordinator.service import CoordinatorError
 from crossfed.outer import OuterConfig, StateError, outer_step, stream_outer_step
 from crossfed.transport import StreamWriter, TensorFile, digest_file, save_tensors
 from tests.conftest import digest_of, staged_delta
+from tests.test_outer import SHAPES  # the same tensor shapes as Eq. 1's pinned tests
 
-SHAPES = {
-    "embed.weight": (97, 24),
-    "layers.0.attn.wq": (24, 48),
-    "layers.0.attn.q_norm": (8,),
-    "layers.0.mlp.w1": (3, 5, 70),
-    "layers.0.scale": (1,),
-    "layers.1.mlp.w2": (5000,),
-    "norm.weight": (24,),
-}
 KERNELS = ["eager", pytest.param("fused", marks=pytest.mark.slow)]
 PIN = 2e-6
 

@@ -17,14 +17,8 @@ import yaml
 from crossfed.cli import main
 from crossfed.coordinator.service import read_ledger, read_status
 from tests.conftest import LiveCoordinator
-from tests.test_coordinator_http import (
-    delta_file,
-    global_model,
-    join_and_lease,
-    submit,
-    wait_round_closed,
-)
 from tests.test_security import cli_config
+from tests.test_status_page import merge_round_one_and_lease_round_two
 
 
 @pytest.fixture
@@ -36,14 +30,7 @@ def round_one(run: LiveCoordinator, tiny_data: Path, tmp_path: Path) -> Path:
     config.update(rounds=3, results="results")
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
-    g0 = global_model(run, 0, tmp_path)
-    a = join_and_lease(run, "snellius", tiny_data)
-    b = join_and_lease(run, "lumi", tiny_data)
-    submit(run, "snellius", a, delta_file(tmp_path, g0, seed=1, name="a"), tokens=240)
-    submit(run, "lumi", b, delta_file(tmp_path, g0, seed=2, name="b"), tokens=80)
-    wait_round_closed(run, 1)
-    lease = join_and_lease(run, "frontier", tiny_data, round_no=2)
-    run.client("frontier").heartbeat(lease["lease_id"], "frontier", 1, None)
+    merge_round_one_and_lease_round_two(run, tiny_data, tmp_path)
     return tmp_path
 
 

@@ -90,6 +90,13 @@ def test_the_session_cookie_is_not_the_token() -> None:
 @pytest.fixture
 def busy(run: LiveCoordinator, tiny_data: Path, tmp_path: Path) -> LiveCoordinator:
     """Round 1 merged from two sites; frontier holds a lease in round 2."""
+    return merge_round_one_and_lease_round_two(run, tiny_data, tmp_path)
+
+
+def merge_round_one_and_lease_round_two(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> LiveCoordinator:
+    """snellius and lumi merge round 1 (3:1 tokens); frontier then holds a round-2 lease."""
     g0 = global_model(run, 0, tmp_path)
     a = join_and_lease(run, "snellius", tiny_data)
     b = join_and_lease(run, "lumi", tiny_data)

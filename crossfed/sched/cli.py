@@ -210,11 +210,11 @@ def _from_run_config(args: argparse.Namespace) -> None:
     round consumes; flags given explicitly win. Rules pass the config file rather than
     these numbers, so a rerun with more rounds changes no finished job's parameters.
     """
+    from crossfed.chain import tokens_per_round
     from crossfed.config import load_run_config, load_sites
 
     config = load_run_config(Path(args.config))
     sites = load_sites(config)
-    windows = sum(s["micro_batch"] * s["ranks"] * s["accumulation"] for s in sites.values())
     if args.sites is None:
         args.sites = config["sites_file"]
     if args.target_units is None and args.target_tokens is None:
@@ -222,7 +222,9 @@ def _from_run_config(args: argparse.Namespace) -> None:
     if args.units_per_round is None:
         args.units_per_round = 1.0
     if args.tokens_per_unit is None:
-        args.tokens_per_unit = float(config["inner"]["steps"] * config["data"]["seq_len"] * windows)
+        args.tokens_per_unit = float(
+            sum(tokens_per_round(config, s, s["accumulation"]) for s in sites.values())
+        )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
