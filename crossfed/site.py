@@ -47,6 +47,7 @@ from safetensors.torch import load_file
 
 from crossfed.compress import save_delta
 from crossfed.coordinator.client import CoordinatorClient, Refused
+from crossfed.coordinator.faults import crash_point
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
 from crossfed.progress import CONSOLE, step_line
@@ -647,6 +648,7 @@ class SiteRunner:
             return broadcast_int(allowed, self.ranks)
 
         def on_step(info: StepInfo) -> None:
+            crash_point("site_after_step", f"{self.s.site}:{round_no}")  # tests only
             done[0] = info.windows_done
             beat.consumed = max(beat.consumed, self._blocks_covered(lease, info.windows_done))
             beat.t_step_s = info.step_s
