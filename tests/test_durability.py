@@ -180,9 +180,16 @@ def test_sigkill_halfway_through_writing_a_generation_redoes_it_identically(
     partial = [p for p in models(run).iterdir() if p.name.endswith(".tmp")]
     assert len(partial) == 2 and all(p.stat().st_size > 0 for p in partial)
 
+    log = run.state_dir / "coordinator.log"
+    before = log.stat().st_size
     crash(run, monkeypatch)
-    assert run.client().status()["generation"] == 0
     wait_round_closed(run, 1)  # redone from generation 0's files and the same deltas
+    # the restarted process came up at generation 0 (it may close the round before any
+    # request of ours reaches it, so its own log says so) and then redid the merge itself
+    restarted = log.read_bytes()[before:].decode()
+    assert "loaded run at generation 0 " in restarted, restarted
+    loaded = restarted.index("loaded run at generation 0 ")
+    assert "round 1 closed" in restarted[loaded:], restarted
     expected = expected_step(master0, [(da, TOKENS["snellius"]), (db, TOKENS["lumi"])])
     assert_generation(run, 1, expected, tmp_path / "after")
     assert not [p for p in models(run).iterdir() if p.name.endswith(".tmp")]  # retention
