@@ -7,6 +7,7 @@ unexpected exception's traceback) and the summaries it prints land in the log fi
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,28 @@ def test_the_coordinator_answers_a_bad_flavour_with_422_and_the_reason(
     assert "'0.6b'" in info.value.detail and "did you mean '0.6B'" in info.value.detail
     with pytest.raises(Refused, match="no_run|404"):  # nothing was created
         coordinator.client().status()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("data_seed", -1, r"seed must be in \[0, 18446744073709551616\), got -1"),
+        ("data_seed", 1 << 64, r"seed must be in \[0, "),
+        ("n_windows", 1 << 40, r"too many blocks"),
+    ],
+)
+def test_a_block_space_the_coordinator_cannot_hold_is_422_and_creates_nothing(
+    coordinator: LiveCoordinator, tiny_data: Path, field: str, value: int, reason: str
+) -> None:
+    spec = {**tiny_spec(tiny_data).to_dict(), field: value, "block_size": 1}
+    with pytest.raises(Refused) as info:
+        coordinator.client().init_run(spec)
+    assert info.value.status == 422 and info.value.code == "bad_run_spec"
+    assert re.search(reason, info.value.detail), info.value.detail
+    with pytest.raises(Refused, match="no_run|404"):  # nothing was created
+        coordinator.client().status()
+    coordinator.client().init_run(tiny_spec(tiny_data).to_dict())  # and a good one still can
+    assert coordinator.client().status()["generation"] == 0
 
 
 # ---------------------------------------------------------------------- sites

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
 from crossfed.outer import OuterConfig
 from crossfed.train.schedule import LRSchedule
@@ -77,6 +78,10 @@ class RunSpec:
             raise RunSpecError(f"run spec has a bad value: {exc}") from exc
         if spec.n_windows < 1 or spec.block_size < 1:
             raise RunSpecError("n_windows and block_size must be positive")
+        try:  # the block space the coordinator will build, checked before anything is stored
+            BlockSpace(spec.n_windows, spec.block_size, spec.data_seed)
+        except BlockSpaceError as exc:
+            raise RunSpecError(f"block space: {exc}") from exc
         if spec.inner_steps < 1:
             raise RunSpecError("inner_steps (H) must be >= 1")
         if not spec.sites:
