@@ -120,7 +120,7 @@ def _transformers() -> Any:
     except ImportError as exc:
         raise ExportError(
             "crossfed export writes the files with transformers; install it "
-            "(pip install transformers)"
+            "(pip install -e '.[hf]' in the crossfed checkout, or pip install transformers==5.23.0)"
         ) from exc
     return transformers
 
