@@ -207,10 +207,11 @@ def sacct_state(cluster: SlurmTestCluster, job_id: str) -> str:
 
 
 def mid_round(log: Path) -> bool:
-    """The chain log shows an inner step of round 2 or later."""
+    """The chain log shows a lease of round 2 or later: its phase (6 steps of >= 1.2 s) has
+    just begun. (A step line can be the phase's last, a second before its delta is in.)"""
     if not log.exists():
         return False
-    return any(f"[snellius r{r}] step" in log.read_text() for r in range(2, ROUNDS))
+    return any(f"[snellius r{r}] lease " in log.read_text() for r in range(2, ROUNDS))
 
 
 def outcomes(results: Path, site: str) -> list[dict]:
