@@ -7,6 +7,13 @@ and each delta one tensor at a time, applies Eq. 1 (:func:`crossfed.outer.stream
 and writes both files of ``g+1`` as it goes, so the memory it holds is a few tensors of the
 largest size, whatever the size of the model.
 
+The three parts of a merge run side by side, tensor by tensor: a reader thread reads tensor
+``i+1``'s master, momentum and deltas while the merge's own thread computes tensor ``i`` and a
+writer thread writes (and digests) the tensors already computed. ``pread``, ``write``, torch's
+kernels and BLAKE3's ``update`` all release the GIL. The threads hand tensors over through
+:data:`SLOTS` buffer pairs, so at most that many tensors are between the read and the write,
+and an error in either thread is raised in the merge's thread.
+
 Files are read with ``pread`` (:class:`crossfed.transport.TensorFile`), never memory-mapped:
 a merge's memory is what it allocates. Keys are found by name, so files written with any
 tensor order (older coordinators wrote all master tensors before all momentum ones) load alike.
@@ -16,11 +23,15 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,8 +43,13 @@ from crossfed.transport import TensorFile, TensorSpec, stream_writer
 log = logging.getLogger(__name__)
 MOMENTUM = "momentum::"
 FORMAT = "crossfed-global-v1"
-#: ``emit(name, w, b)``: one master tensor and its momentum (None before the first step)
-Emit = Callable[[str, torch.Tensor, "torch.Tensor | None"], None]
+#: ``emit(name, w, b)``: one master tensor and its momentum (None before the first step); it
+#: may return an event set once ``w`` and ``b`` are written (their buffers may then be reused)
+Emit = Callable[[str, torch.Tensor, "torch.Tensor | None"], "threading.Event | None"]
+#: master/momentum buffer pairs a merge cycles through: one tensor read or computed while the
+#: one before it is written
+SLOTS = 2
+_POLL_S = 0.1  # how often a waiting thread checks that the merge still runs
 T = TypeVar("T")
 
 
@@ -87,6 +103,68 @@ class StateView(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
+class _Writer:
+    """A thread that writes a generation's tensors in the order they are emitted: the fp32
+    state (``w``, then its momentum) and ``w`` cast to bf16 for the global model (digested as
+    written). :meth:`emit` queues a tensor pair (at most one waits) and returns an event set
+    once that pair is written, or dropped after an error. The first error stops the writing;
+    :meth:`emit` and :meth:`close` raise it in the caller's thread."""
+
+    def __init__(self, state: Any, model: Any, count: int, size: int, *, momentum: bool) -> None:
+        self.state, self.model, self.momentum = state, model, momentum
+        self.halfway = count // 2
+        self.bf16 = torch.empty(size, dtype=torch.bfloat16)  # one cast buffer for all
+        self.written, self.busy_s = 0, 0.0
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.queue: queue.Queue[tuple[torch.Tensor, torch.Tensor | None, threading.Event] | None]
+        self.queue = queue.Queue(maxsize=1)
+        self.thread = threading.Thread(target=self._run, name="generation-writer", daemon=True)
+        self.thread.start()
+
+    def emit(self, name: str, w: torch.Tensor, b: torch.Tensor | None) -> threading.Event:
+        if self.error is not None:
+            raise self.error
+        if self.momentum and b is None:
+            raise ValueError(f"no momentum for tensor {name!r}")
+        done = threading.Event()
+        self.queue.put((w, b, done))
+        return done
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            w, b, done = item
+            del item
+            try:
+                if self.error is None and not self.cancelled:
+                    self._write(w, b)
+            except BaseException as exc:  # raised in the merge's thread
+                self.error = exc
+            finally:
+                del w, b
+                done.set()
+
+    def _write(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        started = time.perf_counter()
+        self.state.write(w)
+        if self.momentum:
+            self.state.write(b)
+        self.model.write(self.bf16[: w.numel()].view(w.shape).copy_(w))
+        self.busy_s += time.perf_counter() - started
+        self.written += 1
+        if self.written == self.halfway:
+            crash_point("inside_generation_write")
+
+    def close(self, *, cancel: bool) -> None:
+        """Wait until every queued tensor is written (``cancel``: dropped) and the thread ends;
+        raise the writing's error, if any, unless cancelled."""
+        self.cancelled = self.cancelled or cancel
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None and not cancel:
+            raise self.error
+
+
 def write_generation(
     state_path: Path,
     global_path: Path,
@@ -100,10 +178,13 @@ def write_generation(
 
     ``fill(emit)`` calls ``emit(name, w, b)`` once per tensor of ``shapes``, in order: ``w``
     the fp32 master tensor, ``b`` its momentum (None when ``momentum`` is False). Each goes
-    straight to both files: the fp32 state (``name`` then ``momentum::name``) and the bf16
-    global model (digested as written). Both are temp files, fsynced and renamed when
-    complete; an exception leaves neither. Returns the global model's digest, ``fill``'s
-    result and the seconds spent writing.
+    to both files, on a writer thread: the fp32 state (``name`` then ``momentum::name``) and
+    the bf16 global model (digested as written). ``emit`` returns at once with an event set
+    when the pair is written; ``fill`` must not change the tensors before that. Both files
+    are temp files, fsynced and renamed when complete; an exception (in ``fill`` or in the
+    writing, raised by the next ``emit`` or here) leaves neither. Returns the global model's
+    digest, ``fill``'s result and the seconds the writer spent writing (which overlap the
+    rest of the merge).
     """
     meta = {"generation": str(generation), "format": FORMAT}
     state_specs, global_specs = [], []
@@ -112,29 +193,177 @@ def write_generation(
         if momentum:
             state_specs.append(TensorSpec(MOMENTUM + name, torch.float32, shape))
         global_specs.append(TensorSpec(name, torch.bfloat16, shape))
-    bf16 = torch.empty(largest(shapes), dtype=torch.bfloat16)  # one cast buffer for all
-    halfway = len(shapes) // 2
-    written: list[float] = []
     with (
         stream_writer(state_path, state_specs, meta, algo=None) as state,
         stream_writer(global_path, global_specs, meta) as model,
     ):
-
-        def emit(name: str, w: torch.Tensor, b: torch.Tensor | None) -> None:
-            started = time.perf_counter()
-            state.write(w)
-            if momentum:
-                if b is None:
-                    raise ValueError(f"no momentum for tensor {name!r}")
-                state.write(b)
-            model.write(bf16[: w.numel()].view(w.shape).copy_(w))
-            written.append(time.perf_counter() - started)
-            if len(written) == halfway:
-                crash_point("inside_generation_write")
-
-        result = fill(emit)
+        writer = _Writer(state, model, len(shapes), largest(shapes), momentum=momentum)
+        try:
+            result = fill(writer.emit)
+        except BaseException:
+            writer.close(cancel=True)
+            raise
+        writer.close(cancel=False)
     crash_point("after_generation_write")
-    return model.digest, result, sum(written)
+    return model.digest, result, writer.busy_s
+
+
+@dataclass
+class _Slot:
+    """A master and a momentum buffer of the largest tensor's size; ``written`` is set once
+    the tensors last read into them are written (None: free)."""
+
+    master: torch.Tensor
+    momentum: torch.Tensor | None
+    written: threading.Event | None = None
+
+
+@dataclass
+class _Bundle:
+    """One tensor's inputs as read: ``items`` by (role, name), role ``master``, ``momentum``
+    or a contributor's index; ``error`` is what reading ``failed`` raised."""
+
+    name: str
+    slot: _Slot | None
+    items: dict[tuple[str | int, str], torch.Tensor] = field(default_factory=dict)
+    failed: tuple[str | int, str] | None = None
+    error: BaseException | None = None
+
+
+class _Prefetch:
+    """A thread that reads each tensor's master, momentum and live deltas, in ``names``
+    order, one tensor ahead of the merge: into a free :class:`_Slot` (waiting until the
+    tensors last read into it are written) and, for deltas, into fresh tensors (dropped once
+    the merge moves on). The merge takes them with :meth:`get` in the same order; a read's
+    error is raised there, at the tensor whose read failed."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        state: TensorFile,
+        momentum: bool,
+        deltas: Sequence[Mapping[str, torch.Tensor]],
+        live: Sequence[int],
+        size: int,
+    ) -> None:
+        self.names, self.state = list(names), state
+        self.deltas, self.live = deltas, list(live)
+        self.free: queue.Queue[_Slot] = queue.Queue()
+        for _ in range(SLOTS):
+            self.free.put(_Slot(torch.empty(size), torch.empty(size) if momentum else None))
+        self.ready: queue.Queue[_Bundle] = queue.Queue()  # bounded by the slots
+        self.current: _Bundle | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="generation-reader", daemon=True)
+        self.thread.start()
+
+    def _slot(self) -> _Slot | None:
+        """A slot whose tensors are written, or None once the merge has stopped."""
+        while not self.stopped.is_set():
+            try:
+                slot = self.free.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            while slot.written is not None and not slot.written.wait(_POLL_S):
+                if self.stopped.is_set():
+                    return None
+            slot.written = None
+            return slot
+        return None
+
+    def _run(self) -> None:
+        try:
+            self._read_all()
+        except BaseException as exc:  # outside any one read: the merge raises it at its next get
+            self.ready.put(_Bundle("", None, failed=("", ""), error=exc))
+
+    def _read_all(self) -> None:
+        for name in self.names:
+            slot = self._slot()
+            if slot is None:
+                return
+            bundle = _Bundle(name, slot)
+            key: tuple[str | int, str] = ("master", name)
+            try:
+                bundle.items[key] = self.state.read(name, slot.master)
+                if slot.momentum is not None:
+                    key = ("momentum", name)
+                    bundle.items[key] = self.state.read(MOMENTUM + name, slot.momentum)
+                for i in self.live:
+                    key = (i, name)
+                    bundle.items[key] = self.deltas[i][name]
+            except BaseException as exc:  # raised in the merge's thread, at this read
+                bundle.failed, bundle.error = key, exc
+            self.ready.put(bundle)
+            if bundle.error is not None:
+                return
+
+    def get(self, role: str | int, name: str) -> torch.Tensor:
+        """``role``'s tensor ``name``: the current tensor's, or the next one's."""
+        if self.current is None or self.current.name != name:
+            self.current = None  # its deltas go now; its slot waits for the writer
+            self.current = self._next()
+            if self.current.error is not None and self.current.failed == ("", ""):
+                raise self.current.error
+            if self.current.name != name:
+                raise RuntimeError(f"tensor {name!r} asked for out of order")
+        bundle = self.current
+        if (role, name) in bundle.items:
+            return bundle.items[role, name]
+        if bundle.failed == (role, name) and bundle.error is not None:
+            raise bundle.error
+        raise RuntimeError(f"{role} tensor {name!r} asked for out of order")
+
+    def _next(self) -> _Bundle:
+        """The next tensor's bundle, once read."""
+        while True:
+            try:
+                return self.ready.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.ready.empty():
+                    raise RuntimeError("the merge's reader thread ended early") from None
+
+    def release(self, name: str, written: threading.Event | None) -> None:
+        """Tensor ``name`` is emitted: its slot is free once ``written`` is set."""
+        bundle = self.current
+        if bundle is None or bundle.name != name or bundle.slot is None:
+            raise RuntimeError(f"tensor {name!r} emitted out of order")
+        slot, bundle.slot = bundle.slot, None
+        slot.written = written
+        self.free.put(slot)
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self.current = None
+
+
+class _Prefetched(Mapping[str, torch.Tensor]):
+    """One role of a :class:`_Prefetch` as a mapping over ``names``."""
+
+    def __init__(self, prefetch: _Prefetch, role: str | int, names: Sequence[str]) -> None:
+        self.prefetch, self.role, self._names = prefetch, role, list(names)
+        self._set = set(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._set:
+            raise KeyError(name)
+        return self.prefetch.get(self.role, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _live(tokens: Sequence[int]) -> list[int]:
+    """The contributors whose deltas the step reads (a positive token count); bad counts are
+    left to :func:`stream_outer_step` to refuse."""
+    try:
+        return [i for i, n in enumerate(tokens) if operator.index(n) > 0]
+    except TypeError:
+        return []
 
 
 def merge_step(
@@ -148,15 +377,31 @@ def merge_step(
     """Eq. 1 from generation files: the state in ``state_path`` and the deltas (any codec)
     in ``delta_paths`` are read tensor by tensor and each new tensor goes to ``emit``.
 
-    Master and momentum are read into two buffers of the largest tensor's size, kept for
-    the whole merge; each delta tensor is read (and decoded) when its turn comes.
+    A reader thread (:class:`_Prefetch`) reads master and momentum into :data:`SLOTS` pairs
+    of buffers of the largest tensor's size, kept for the whole merge, and each delta tensor
+    when its turn comes, one tensor ahead of the arithmetic; a pair is read into again once
+    the event ``emit`` returned for its last tensors is set.
     """
     with ExitStack() as files:
-        blobs = [files.enter_context(TensorFile(path)) for path in delta_paths]
+        blobs = [decoded(files.enter_context(TensorFile(path))) for path in delta_paths]
         state = files.enter_context(TensorFile(state_path))
-        size = largest(shapes)
-        master = StateView(state, momentum=False, buffer=torch.empty(size))
-        momentum = StateView(state, momentum=True, buffer=torch.empty(size))
+        keys = state.keys()
+        master_names = [k for k in keys if not k.startswith(MOMENTUM)]
+        momentum_names = [k.removeprefix(MOMENTUM) for k in keys if k.startswith(MOMENTUM)]
+        prefetch = _Prefetch(
+            list(shapes), state, bool(momentum_names), blobs, _live(tokens), largest(shapes)
+        )
+        files.callback(prefetch.close)
+
+        def sink(name: str, w: torch.Tensor, b: torch.Tensor | None) -> None:
+            prefetch.release(name, emit(name, w, b))
+
         return stream_outer_step(
-            shapes, master, momentum, [decoded(b) for b in blobs], tokens, emit, config
+            shapes,
+            _Prefetched(prefetch, "master", master_names),
+            _Prefetched(prefetch, "momentum", momentum_names),
+            [_Prefetched(prefetch, i, blob.keys()) for i, blob in enumerate(blobs)],
+            tokens,
+            sink,
+            config,
         )
