@@ -20,7 +20,7 @@ from typing import Any
 import httpcore
 import httpx
 
-from crossfed.transport import (
+from crossfed.fileio import (
     PART_BYTES,
     DigestError,
     Hasher,

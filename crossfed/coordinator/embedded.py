@@ -78,7 +78,7 @@ def coordinator_url(config: dict[str, Any]) -> str:
 def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorClient:
     """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``."""
     from crossfed.coordinator.client import CoordinatorClient
-    from crossfed.transport import PART_BYTES
+    from crossfed.fileio import PART_BYTES
 
     kwargs.setdefault("part_bytes", config.get("transport", {}).get("part_bytes", PART_BYTES))
     return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
