@@ -351,28 +351,18 @@ def _closed_round(config: dict[str, Any], site: str, round_no: int) -> dict[str,
     to the site loop, which resends it (idempotent) whatever the round's state, and so does
     a job whose status request fails (the site loop retries and reports).
     """
-    import httpx
-
-    from crossfed.coordinator.embedded import EndpointError, coordinator_url, token_for
+    from crossfed.catchup import closed_detail, coordinator_round
 
     if (Path(config["results"]) / "sites" / site / "pending.json").exists():
         return None
-    try:
-        reply = httpx.get(
-            f"{coordinator_url(config)}/v1/status",
-            headers={"Authorization": f"Bearer {token_for(config, site)}"},
-            timeout=30,
-        )
-        current = int(reply.json()["round"]) if reply.status_code == 200 else None
-    except (httpx.HTTPError, EndpointError, ValueError, KeyError, TypeError):
-        current = None
+    current = coordinator_round(config, site)
     if current is None or current <= round_no:
         return None
     return {
         "site": site,
         "round": round_no,
         "status": "missed",
-        "detail": f"round {round_no} closed; coordinator is at round {current}",
+        "detail": closed_detail(round_no, current),
         "steps": 0,
         "tokens": 0,
         "compute_s": 0.0,

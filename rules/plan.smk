@@ -25,16 +25,21 @@ rule plan:
     conda:
         CONDA_ENV
     shell:
-        # measured rounds -> the planner's job log; the plan's accumulation then fills the
-        # barrier from measured step times (crossfed.train.barrier, paper Fig. 2a)
-        "{params.python} -m crossfed.train.barrier job-log --results {params.results}"
+        # a round the coordinator closed before this site planned it (a site that starts
+        # late replays every earlier round): one process and one request write a plan
+        # record saying so (crossfed.catchup). An open round: measured rounds -> the
+        # planner's job log; the plan's accumulation then fills the barrier from measured
+        # step times (crossfed.train.barrier, paper Fig. 2a)
+        "{params.python} -m crossfed.catchup plan --config {params.config}"
+        " --round {wildcards.for_round} --out {output.plan} > {log} 2>&1"
+        " || ({params.python} -m crossfed.train.barrier job-log --results {params.results}"
         " --before {wildcards.for_round}"
         " --sites {params.sites} --out {params.job_log} > {log} 2>&1"
         " && {params.crossfed} --log {log} plan --config {params.config}"
         " --probes {input.probe} --round {params.done} --job-log {params.job_log}"
         " --out {output.plan}"
         " && {params.python} -m crossfed.train.barrier fill --plan {output.plan}"
-        " --job-log {params.job_log} --sites {params.sites} >> {log} 2>&1"
+        " --job-log {params.job_log} --sites {params.sites} >> {log} 2>&1)"
 
 
 rule plan_job:

@@ -15,10 +15,16 @@ rule probe:
         sites=config["sites_file"],
         only=probe_only(),
         history=f"{RESULTS}/probes/history.csv",
+        python=PYTHON,
+        config=CONFIG,
     conda:
         CONDA_ENV
     shell:
-        "{params.crossfed} --log {log} probe --sites {params.sites} {params.only}"
+        # a round the coordinator closed already is not probed: its probe table stays
+        # empty (crossfed.catchup; a late site replays every earlier round)
+        "{params.python} -m crossfed.catchup probe --config {params.config}"
+        " --round {wildcards.round} --out {output.probe} > {log} 2>&1"
+        " || {params.crossfed} --log {log} probe --sites {params.sites} {params.only}"
         " --out {output.probe} --history {params.history}"
 
 

@@ -30,7 +30,7 @@ import heapq
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -248,7 +248,7 @@ class Plan:
     """A placement decision for the remainder of the run."""
 
     created_at: str
-    mode: str  # queue_aware | all_now | done | infeasible
+    mode: str  # queue_aware | all_now | done | infeasible | closed (crossfed.catchup)
     round: int
     units_total: float
     units_outstanding: float
@@ -278,7 +278,8 @@ class Plan:
                 )
                 for name, sp in d["sites"].items()
             }
-            return cls(**{**d, "sites": sites})
+            known = {f.name for f in fields(cls)} - {"sites"}  # a closed round's adds detail
+            return cls(**{k: v for k, v in d.items() if k in known}, sites=sites)
         except (KeyError, TypeError) as exc:
             raise PlanError(f"not a crossfed plan: {exc}") from exc
 
