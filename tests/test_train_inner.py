@@ -29,7 +29,14 @@ from crossfed.train.inner import (
     rank_shares,
     run_inner_phase,
 )
-from crossfed.train.model import attention_masks, build_model, model_config, parameters_of
+from crossfed.train.model import (
+    attention_masks,
+    build_model,
+    initial_parameters,
+    model_config,
+    parameter_shapes,
+    parameters_of,
+)
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.standalone import RecordingReader
 from crossfed.train.windows import WindowStore
@@ -270,3 +277,26 @@ def test_the_held_out_split_is_outside_the_leasable_block_space(tiny_data: Path)
     assert last == train.n_windows and train.path != val.path
     first_val = val.windows(0, 1)[0]
     assert not np.any(np.all(train.windows(train.n_windows - 4, train.n_windows) == first_val, 1))
+
+
+@pytest.mark.parametrize("flavour", ["tiny", "small"])
+def test_initial_parameters_stream_build_models_weights_bit_for_bit(flavour: str) -> None:
+    """Run creation draws the initial model one layer at a time: the same tensors, in the
+    same order, as building it whole (tied embedding included), and the caller's random
+    stream is neither used nor moved."""
+    reference = parameters_of(build_model(flavour, vocab_size=512, seed=11))
+    torch.manual_seed(5)
+    names = []
+    for name, value in initial_parameters(flavour, vocab_size=512, seed=11):
+        names.append(name)
+        assert torch.equal(value, reference[name]), name
+        torch.rand(7)  # the caller draws between tensors: the stream must not notice
+    after = torch.rand(3)
+    assert names == list(reference)
+    torch.manual_seed(5)
+    for _ in names:
+        torch.rand(7)
+    assert torch.equal(after, torch.rand(3))  # and the caller's own stream ran as if alone
+    assert parameter_shapes(flavour, vocab_size=512) == {
+        k: tuple(v.shape) for k, v in reference.items()
+    }

@@ -148,15 +148,19 @@ class Coordinator:
             existing = store.get_meta(self.conn, "spec")
             if existing is not None:
                 return self._resume_run(RunSpec.from_dict(existing), spec)
-            from crossfed.train.model import build_model, parameters_of  # torchtitan is heavy
+            # torchtitan is heavy: imported when a run is created
+            from crossfed.train.model import initial_parameters, parameter_shapes
 
-            model = build_model(spec.flavour, vocab_size=spec.vocab_size, seed=spec.model_seed)
-            params = parameters_of(model)
-            self.shapes = {k: tuple(v.shape) for k, v in params.items()}
+            # generation 0 is drawn one layer at a time (build_model's weights, bit for
+            # bit): creating a run needs no more memory than its largest layer
+            self.shapes = parameter_shapes(spec.flavour, vocab_size=spec.vocab_size)
 
             def initial(emit: Emit) -> None:
-                for name, value in params.items():
-                    emit(name, value.detach().float().contiguous(), None)
+                drawn = initial_parameters(
+                    spec.flavour, vocab_size=spec.vocab_size, seed=spec.model_seed
+                )
+                for name, value in drawn:
+                    emit(name, value.float().contiguous(), None)
 
             digest, _, _ = self._write_generation(0, initial, momentum=False)
             now = self.clock()

@@ -117,6 +117,91 @@ def build_model(
     return model
 
 
+def _meta_model(flavour: str, vocab_size: int) -> torch.nn.Module:
+    """The model's structure without storage (tied weights tied, as ``init_states`` ties them)."""
+    config = model_config(flavour, vocab_size=vocab_size, device="cpu")
+    with torch.device("meta"):
+        model = config.build()
+    if getattr(model, "enable_weight_tying", False):
+        model.tok_embeddings.weight = model.lm_head.weight
+    return model
+
+
+def parameter_shapes(flavour: str, *, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape in :func:`parameters_of` order, with no tensor allocated."""
+    return {n: tuple(p.shape) for n, p in parameters_of(_meta_model(flavour, vocab_size)).items()}
+
+
+def _init_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules ``init_states`` initialises, in its order: each top-level child, with the
+    layers one by one (each unit's init is self-contained; together they draw the random
+    numbers in the order a whole-model init does)."""
+    units: list[tuple[str, torch.nn.Module]] = []
+    for name, child in model.named_children():
+        if name == "layers":
+            units += [(f"layers.{key}", layer) for key, layer in child.named_children()]
+        else:
+            units.append((name, child))
+    return units
+
+
+def _initialised(
+    units: list[tuple[str, torch.nn.Module]], seed: int
+) -> Iterator[tuple[int, torch.nn.Module]]:
+    """Each unit in turn, materialised on the CPU and initialised from the seeded stream;
+    it goes back to the meta device (its storage freed) when the caller moves on. The
+    stream's generator state is swapped in only while a unit draws, so whatever the caller
+    does between units neither disturbs it nor sees it."""
+    callers = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    stream = torch.random.get_rng_state()
+    torch.random.set_rng_state(callers)
+    for index, (_, unit) in enumerate(units):
+        callers = torch.random.get_rng_state()
+        torch.random.set_rng_state(stream)
+        try:
+            unit.to_empty(device="cpu")
+            with torch.no_grad():
+                unit.init_states(buffer_device=torch.device("cpu"))
+            stream = torch.random.get_rng_state()
+        finally:
+            torch.random.set_rng_state(callers)
+        yield index, unit
+        unit.to("meta")
+
+
+def initial_parameters(
+    flavour: str, *, vocab_size: int, seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`build_model`'s parameters, bit for bit and in :func:`parameters_of` order, with
+    one layer (or the embedding) in memory at a time, so creating a run of any size needs
+    no more memory than its largest unit. A tied weight is named first but drawn last (by
+    the output layer): it is drawn in a first pass over the units and held until its turn."""
+    model = _meta_model(flavour, vocab_size)
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    units = _init_units(model)
+    owner: dict[str, tuple[int, str]] = {}  # the unit whose init sets it (the last to hold it)
+    for index, (_, unit) in enumerate(units):
+        for local, p in unit.named_parameters():
+            owner[canonical[id(p)]] = (index, local)
+    early = {name for name, (i, _) in owner.items() if not name.startswith(units[i][0] + ".")}
+    held: dict[str, torch.Tensor] = {}
+    if early:
+        wanted = {owner[name]: name for name in early}
+        for index, unit in _initialised(units, seed):
+            params = dict(unit.named_parameters())
+            for (i, local), name in wanted.items():
+                if i == index:
+                    held[name] = params[local].detach().clone()
+    order = list(canonical.values())
+    for index, unit in _initialised(units, seed):
+        prefix = units[index][0] + "."
+        params = dict(unit.named_parameters())
+        for name in order:
+            if name.startswith(prefix):
+                yield name, held.pop(name) if name in held else params[name[len(prefix) :]].detach()
+
+
 def attention_masks(model: torch.nn.Module, batch: int, seq_len: int, device: Any) -> Any:
     """What a masked attention backend (flex on GPU) needs for ``batch`` windows of
     ``seq_len`` tokens, each window one causal document; None for SDPA (causal built in).
