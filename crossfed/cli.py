@@ -1145,7 +1145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prepare(dsub)
     try:
-        from crossfed.sched.cli import add_parsers as add_sched
+        from crossfed.sched.commands import add_parsers as add_sched
     except ImportError:  # pragma: no cover - scheduler extras absent
         add_sched = None
     if add_sched is not None:
