@@ -13,7 +13,10 @@ The last line printed is one JSON object: ``passed``, ``wall_s`` (the whole pyte
 clusters included), the test's own timings since the coordinator VM was set up
 (``run_created_s``, ``snellius_started_s``, ``scancel_s``, ``snellius_joined_s``,
 ``lumi_back_s``, ``interrupted_s``, ``snellius_resumed_s``, ``finished_s``, ``checked_s``,
-``total_s``) and the load average when it ended.
+``total_s``), the late join's catch-up (``late_join_catchup_s``: from snellius's start to
+the close of the first round its delta went into; ``snellius_started_at_round``, the
+coordinator's round when it started, and ``snellius_first_round``, that first round) and
+the load average when it ended.
 
     .venv/bin/python bench/multisite.py
 """
@@ -56,10 +59,15 @@ def main() -> int:
     passed = done.returncode == 0 and " passed" in done.stdout
     if not passed:
         print(done.stdout[-12000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+    timings = timings_of(done.stdout)
+    if "snellius_joined_s" in timings and "snellius_started_s" in timings:
+        timings["late_join_catchup_s"] = round(
+            timings["snellius_joined_s"] - timings["snellius_started_s"], 1
+        )
     result = {
         "passed": passed,
         "wall_s": round(time.monotonic() - t0, 1),
-        **timings_of(done.stdout),
+        **timings,
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result))

@@ -436,6 +436,7 @@ def run_sites(tmp_path, vm, vm_env, init, url, secrets, clusters, admin, procs, 
     wait_for(lambda: has_lease(admin, "lumi"), 600, "lumi training round 1", [procs["lumi"]])
     procs["snellius"] = snellius.start()
     timings["snellius_started_s"] = time.monotonic() - t0
+    timings["snellius_started_at_round"] = admin.status()["round"]
     running = [procs["lumi"], procs["snellius"]]
 
     # 3. lumi's training job is cancelled by its Slurm mid-round (round 2 or later): the
@@ -456,6 +457,7 @@ def run_sites(tmp_path, vm, vm_env, init, url, secrets, clusters, admin, procs, 
     assert joined > 1 and min(records) > 1, (joined, records)
     assert joined <= min(records) + 1, (joined, records)
     timings["snellius_joined_s"] = time.monotonic() - t0
+    timings["snellius_first_round"] = joined
     back = wait_for(lambda: _contribution_after(admin, "lumi", cancelled_in - 1), 900,
                     "lumi after the scancel", running)  # fmt: skip
     timings["lumi_back_s"] = time.monotonic() - t0
