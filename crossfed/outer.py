@@ -9,7 +9,9 @@ Sites send deltas ``Δ_i = θ_i − w`` with the token counts ``n_i`` they consu
 
 ``β=0, η=1`` is FedAvg: ``w + Σ p_i Δ_i`` is the token-weighted mean of the site models.
 Zero contributors is a no-op and one contributor takes the full step (``η=1``); both are
-normal states of an elastic run.
+normal states of an elastic run. Which ``η`` and ``β`` a round uses is the config's preset
+(:meth:`OuterConfig.step_for`): ``paper`` (η, β as given) or ``tuned`` (β=0 and
+``η = 1/sqrt(M)`` for ``M`` effective live sites, :func:`tuned_step`).
 
 The merge streams: each delta tensor is read once, master and momentum are updated in place,
 and no full-size fp32 temporary is made. Two kernels do the arithmetic: ``eager`` runs a few
@@ -57,19 +59,71 @@ _FUSED_ARITY = 4
 _FUSED_MAX_CONTRIBUTORS = 4 * _FUSED_ARITY
 
 
+Preset = Literal["paper", "tuned"]
+#: the preset of a new run whose config leaves ``outer.preset`` unset
+DEFAULT_PRESET: Preset = "tuned"
+
+
 @dataclass(frozen=True)
 class OuterConfig:
-    """Outer learning rate ``eta``, Nesterov momentum ``beta`` and the solo rule."""
+    """Outer learning rate ``eta``, Nesterov momentum ``beta``, the solo rule, and the preset.
+
+    ``preset="paper"`` steps with ``eta`` and ``beta`` as given (DiLoCo's 0.7 and 0.9 by
+    default) and ``solo_full_step``; ``preset="tuned"`` ignores those three and takes both
+    from the number of live contributors (:func:`tuned_step`). ``None`` is a preset not yet
+    decided (a config that leaves it unset); the coordinator resolves it when it stores the
+    run (``crossfed.coordinator.runspec.resolve_outer``), and no step runs with it.
+    """
 
     eta: float = 0.7
     beta: float = 0.9
     solo_full_step: bool = True
+    preset: Preset | None = "paper"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.eta) and self.eta > 0):
             raise ValueError(f"outer eta must be a positive finite number, got {self.eta!r}")
         if not (math.isfinite(self.beta) and 0 <= self.beta < 1):
             raise ValueError(f"outer beta must lie in [0, 1), got {self.beta!r}")
+        if self.preset not in (None, "paper", "tuned"):
+            raise ValueError(f"outer preset must be 'paper' or 'tuned', got {self.preset!r}")
+
+    def step_for(self, shares: Sequence[float]) -> tuple[float, float]:
+        """``(eta, beta)`` of a round whose live contributors have token ``shares``."""
+        if self.preset is None:
+            raise ValueError("outer preset is not resolved (None): resolve it before a merge")
+        if self.preset == "tuned":
+            return tuned_step(shares)
+        solo = len(shares) == 1 and self.solo_full_step
+        return (1.0 if solo else self.eta), self.beta
+
+
+def effective_sites(shares: Sequence[float]) -> float:
+    """``1 / Σ p_i²``: the number of equal contributors with the same spread of shares."""
+    return 1.0 / sum(p * p for p in shares)
+
+
+#: the ``tuned`` preset's outer rate for one contributor and its momentum (README, Quality)
+TUNED_SOLO_ETA = 1.0
+TUNED_BETA = 0.0
+
+
+def tuned_step(shares: Sequence[float]) -> tuple[float, float]:
+    """The ``tuned`` preset's ``(eta, beta)``: ``eta = TUNED_SOLO_ETA / sqrt(M)`` with
+    ``M = effective_sites(shares)``, and no momentum.
+
+    A lone site's delta is adopted as it is (its run continues as if never interrupted);
+    several sites' mean delta is damped by their number. The measurements behind it are
+    README.md's Quality tables (``bench/quality.py``).
+    """
+    return TUNED_SOLO_ETA / math.sqrt(effective_sites(shares)), TUNED_BETA
+
+
+#: named outer-step settings for the benchmarks; ``paper`` is DiLoCo's (arXiv 2311.08105)
+PRESETS: dict[str, OuterConfig] = {
+    "paper": OuterConfig(eta=0.7, beta=0.9, solo_full_step=True, preset="paper"),
+    "tuned": OuterConfig(preset="tuned"),
+}
 
 
 class DeltaError(ValueError):
@@ -344,8 +398,9 @@ def outer_step(
     ``tokens[i]`` is the token count behind ``deltas[i]``.
 
     Contributors are the deltas with a positive token count; zero-token deltas are not read.
-    With no contributor nothing is applied and the report says so. With exactly one
-    contributor and ``config.solo_full_step`` the step uses ``η = 1``: an outer rate below one
+    With no contributor nothing is applied and the report says so. ``η`` and ``β`` come from
+    ``config.step_for`` (the preset). With ``paper``, exactly one contributor and
+    ``config.solo_full_step`` the step uses ``η = 1``: an outer rate below one
     exists to damp the disagreement between averaged sites, and a lone site has none, so a
     smaller step would only throw away ``1 − η`` of the work that site did. Momentum
     accumulates as in any other round.
@@ -369,8 +424,7 @@ def outer_step(
             contributors=0, eta_used=0.0, tokens=0, shares=[0.0] * len(counts), applied=False
         )
     shares = token_shares(counts)
-    eta = 1.0 if len(live) == 1 and config.solo_full_step else config.eta
-    beta = config.beta
+    eta, beta = config.step_for([shares[i] for i in live])
     _check_state(master, momentum)
     for i in live:
         _check_keys(master, deltas[i])
@@ -486,12 +540,10 @@ def stream_outer_step(
             contributors=0, eta_used=0.0, tokens=0, shares=[0.0] * len(counts), applied=False
         )
     shares = token_shares(counts)
-    eta = 1.0 if len(live) == 1 and config.solo_full_step else config.eta
+    eta, beta = config.step_for([shares[i] for i in live])
     for i in live:
         _check_keys(refs, deltas[i])
-    plan = _plan(
-        [shares[i] for i in live], eta, config.beta, [r.numel() for r in refs.values()], kernel
-    )
+    plan = _plan([shares[i] for i in live], eta, beta, [r.numel() for r in refs.values()], kernel)
     with torch.no_grad():
         for name, ref in refs.items():
             w = _state_tensor(master, name, ref, "master")

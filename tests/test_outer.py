@@ -15,10 +15,14 @@ from safetensors.torch import save_file
 
 from crossfed import outer
 from crossfed.outer import (
+    PRESETS,
+    TUNED_BETA,
+    TUNED_SOLO_ETA,
     DeltaError,
     OuterConfig,
     StateError,
     outer_step,
+    stream_outer_step,
     token_shares,
     validate_delta,
 )
@@ -134,6 +138,65 @@ def test_matches_torch_sgd_nesterov_over_elastic_rounds(kernel: str, small_block
     print(f"max |outer_step - torch SGD| = {worst:.3g}")
     assert worst <= PIN, f"max |outer_step - torch SGD| = {worst:.3g}"
     assert max_abs(master, start) > 0.1  # the pin compares models that really moved
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_tuned_preset_matches_torch_sgd_over_elastic_rounds(
+    kernel: str, small_blocks: None
+) -> None:
+    """The tuned preset is torch's SGD with lr = TUNED_SOLO_ETA * sqrt(sum p_i^2) per round."""
+    gen = torch.Generator().manual_seed(4321)
+    master = make_master(gen)
+    start = clone(master)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in master.items()}
+    opt = torch.optim.SGD(params.values(), lr=1.0, momentum=TUNED_BETA, nesterov=TUNED_BETA > 0)
+    cfg = OuterConfig(preset="tuned", eta=0.7, beta=0.9)  # eta and beta are not used
+    momentum: dict[str, torch.Tensor] = {}
+    seen_k: set[int] = set()
+    worst = 0.0
+    for rnd in range(40):
+        k = 1 if rnd % 5 == 0 else int(torch.randint(1, 5, (1,), generator=gen))
+        seen_k.add(k)
+        deltas = [make_delta(gen) for _ in range(k)]
+        tokens = [int(n) for n in torch.randint(1, 10**6, (k,), generator=gen)]
+
+        report = outer_step(master, momentum, deltas, tokens, cfg, kernel=kernel)
+
+        shares = [n / sum(tokens) for n in tokens]
+        want_eta = TUNED_SOLO_ETA * sum(p * p for p in shares) ** 0.5
+        for name, p in params.items():
+            p.grad = -sum(d[name].float() * share for d, share in zip(deltas, shares, strict=True))
+        opt.param_groups[0]["lr"] = want_eta
+        opt.step()
+        assert report.eta_used == pytest.approx(want_eta, rel=1e-12)
+        worst = max(worst, max_abs(master, params))
+    assert seen_k == {1, 2, 3, 4}
+    assert worst <= PIN, f"max |outer_step - torch SGD| = {worst:.3g}"
+    assert max_abs(master, start) > 0.1
+
+
+def test_tuned_preset_streams_the_same_step_and_refuses_an_unresolved_one() -> None:
+    gen = torch.Generator().manual_seed(12)
+    w0, deltas = make_master(gen), [make_delta(gen) for _ in range(3)]
+    tokens = [100, 250, 650]
+    in_memory = clone(w0)
+    report = outer_step(in_memory, {}, deltas, tokens, PRESETS["tuned"])
+    streamed: dict[str, torch.Tensor] = {}
+    streamed_report = stream_outer_step(
+        SHAPES, clone(w0), None, deltas, tokens,
+        lambda name, w, b: streamed.__setitem__(name, w.clone()), PRESETS["tuned"],
+    )  # fmt: skip
+    assert all(torch.equal(streamed[k], in_memory[k]) for k in w0)
+    assert streamed_report.eta_used == report.eta_used < TUNED_SOLO_ETA  # 3 sites step less
+    with pytest.raises(ValueError, match="not resolved"):
+        outer_step(clone(w0), {}, deltas, tokens, OuterConfig(preset=None))
+    with pytest.raises(ValueError, match="preset must be 'paper' or 'tuned'"):
+        OuterConfig(preset="fast")  # type: ignore[arg-type]
+
+
+def test_paper_preset_is_todays_outer_step() -> None:
+    assert PRESETS["paper"] == OuterConfig()
+    assert (OuterConfig().eta, OuterConfig().beta, OuterConfig().preset) == (0.7, 0.9, "paper")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
