@@ -9,7 +9,9 @@ plain reads of the same input files and plain writes (fsync'ed) of as many bytes
 writes, alternating with the merge. Prints one JSON object as its last line: ``merge_s``,
 ``floor_s``, ``ratio`` (merge_s / floor_s of the quietest repeat) and ``peak_rss_gib`` (the
 process's peak resident memory during the merge; no file is memory-mapped, so this is the
-merge's private memory plus the interpreter's).
+merge's private memory plus the interpreter's). The merge's writer thread overlaps its reads
+and arithmetic: "writer busy" is the seconds it spent writing, and ``compute_s_best`` the
+best repeat's merge seconds outside them (the pipeline's fill and what the writer waited for).
 
     .venv/bin/python bench/merge.py                      # Qwen3-0.6B: about 14 GB of disk
     .venv/bin/python bench/merge.py --flavour 1.7B       # about 42 GB of disk
@@ -214,7 +216,7 @@ def main() -> None:
             merge_only.append(merge_s - write_s)
             print(
                 f"repeat {r}: floor {floor_s:.2f} s, merge {merge_s:.2f} s "
-                f"(ratio {merge_s / floor_s:.2f}; writing {write_s:.2f} s), "
+                f"(ratio {merge_s / floor_s:.2f}; writer busy {write_s:.2f} s), "
                 f"peak RSS {peak[0] / 2**20:.2f} GiB",
                 flush=True,
             )
