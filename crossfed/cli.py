@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -306,6 +307,7 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     from crossfed.coordinator.client import Refused
     from crossfed.coordinator.embedded import client_for
     from crossfed.launch import run_spec
+    from crossfed.outer import OuterConfig
 
     config = _config(args)
     client = client_for(config, "admin")
@@ -337,6 +339,8 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     )
     if args.model_out:  # the initial model, for the round-0 evaluation
         _secure_model(config, client, 0, Path(args.model_out))
+    if reply.get("outer"):  # the outer step the coordinator runs (an unset preset resolved)
+        spec = replace(spec, outer=OuterConfig(**reply["outer"]))
     if args.out or not args.resume_only:  # the workflow's hook wants the one-line summary
         _write_json(args.out, {"spec": spec.to_dict(), **reply})
     return 0

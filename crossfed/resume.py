@@ -98,11 +98,17 @@ def check_rerun(config: Mapping[str, Any], sites: Mapping[str, Mapping[str, Any]
     run_path = results / "run.json"
     if not run_path.exists():
         return
-    from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences
+    from crossfed.coordinator.runspec import (
+        EXTENSIBLE,
+        RunSpec,
+        describe,
+        differences,
+        resolve_outer,
+    )
     from crossfed.launch import run_spec
 
     recorded = RunSpec.from_dict(json.loads(run_path.read_text())["spec"])
-    changes = differences(recorded, run_spec(dict(config), dict(sites)))
+    changes = differences(recorded, resolve_outer(run_spec(dict(config), dict(sites)), recorded))
     refused = {name: change for name, change in changes.items() if name not in EXTENSIBLE}
     if refused:
         raise ConfigError(

@@ -16,6 +16,7 @@ from crossfed.config import ConfigError, load_run_config, load_sites
 from crossfed.coordinator.runspec import RunSpec, differences
 from crossfed.coordinator.service import Coordinator, CoordinatorError
 from crossfed.launch import run_spec
+from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
 from crossfed.train.schedule import LRSchedule
@@ -53,6 +54,42 @@ def test_coordinator_extends_the_schedule_and_refuses_other_changes(
         coordinator.init_run(replace(longer, block_size=4))
     assert other.value.code == "run_exists" and "block_size: 8 -> 4" in other.value.message
     assert Coordinator(tmp_path / "state").spec == longer  # the refusals changed nothing
+
+
+def test_an_unset_outer_preset_is_tuned_for_a_new_run_and_the_runs_own_on_a_rerun(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    unset = tiny_spec(tiny_data, outer=OuterConfig(preset=None))
+    fresh = Coordinator(tmp_path / "fresh")
+    assert fresh.init_run(unset)["outer"]["preset"] == DEFAULT_PRESET == "tuned"
+    assert Coordinator(tmp_path / "fresh").spec.outer.preset == "tuned"  # stored resolved
+    assert fresh.init_run(unset)["created"] is False  # the same config again: no change
+
+    paper = tiny_spec(tiny_data)  # a run created with Eq. 1's fixed eta and beta
+    assert paper.outer.preset == "paper"
+    old = Coordinator(tmp_path / "old")
+    old.init_run(paper)
+    reply = old.init_run(unset)  # today's default config: the run keeps its outer step
+    assert not reply["created"] and not reply["extended"]
+    assert reply["outer"]["preset"] == "paper"
+    with pytest.raises(CoordinatorError) as changed:
+        old.init_run(replace(unset, outer=OuterConfig(preset="tuned")))
+    assert "outer.preset: 'paper' -> 'tuned'" in changed.value.message
+    assert Coordinator(tmp_path / "old").spec == paper
+
+
+def test_a_run_recorded_before_outer_presets_reruns_unchanged(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    overrides = _workdir(tmp_path, tiny_data)
+    run_json = tmp_path / "results" / "run.json"
+    record = json.loads(run_json.read_text())
+    record["spec"]["outer"] = {"eta": 0.7, "beta": 0.9, "solo_full_step": True}  # no preset
+    run_json.write_text(json.dumps(record))
+    _check(overrides)  # the default config leaves outer.preset unset: the run's own (paper)
+    _check({**overrides, "rounds": 10})
+    with pytest.raises(ConfigError, match="outer.preset: 'paper' -> 'tuned'"):
+        _check({**overrides, "outer": {"preset": "tuned"}})
 
 
 def _workdir(tmp_path: Path, data_dir: Path) -> dict:

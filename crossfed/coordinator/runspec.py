@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
-from crossfed.outer import OuterConfig
+from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.train.schedule import LRSchedule
 
 
@@ -90,6 +90,19 @@ class RunSpec:
         if problem:
             raise RunSpecError(f"flavour: {problem}")
         return spec
+
+
+def resolve_outer(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
+    """``spec`` with its outer preset decided: one left unset (None) takes the existing
+    run's, or :data:`~crossfed.outer.DEFAULT_PRESET` for a new run.
+
+    So a changed default never changes a run in progress: a run keeps the preset it was
+    created with when its config leaves ``outer.preset`` unset.
+    """
+    if spec.outer.preset is not None:
+        return spec
+    preset = existing.outer.preset if existing is not None else DEFAULT_PRESET
+    return replace(spec, outer=replace(spec.outer, preset=preset))
 
 
 #: the only field a rerun may change on an existing run: more rounds lengthen the schedule

@@ -38,7 +38,13 @@ from crossfed.coordinator.generations import (
     write_generation,
 )
 from crossfed.coordinator.rounds import close_decision
-from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences
+from crossfed.coordinator.runspec import (
+    EXTENSIBLE,
+    RunSpec,
+    describe,
+    differences,
+    resolve_outer,
+)
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
 from crossfed.darl.ledger import CHECKPOINT_EVERY, LedgerError, LedgerStore, apply_event
@@ -147,7 +153,9 @@ class Coordinator:
         with self.lock:
             existing = store.get_meta(self.conn, "spec")
             if existing is not None:
-                return self._resume_run(RunSpec.from_dict(existing), spec)
+                current = RunSpec.from_dict(existing)
+                return self._resume_run(current, resolve_outer(spec, current))
+            spec = resolve_outer(spec, None)
             # torchtitan is heavy: imported when a run is created
             from crossfed.train.model import initial_parameters, parameter_shapes
 
@@ -323,6 +331,7 @@ class Coordinator:
                 "digest": self.space.digest(),
                 "inner_steps": spec.inner_steps,
                 "schedule": spec.to_dict()["schedule"],
+                "outer": spec.to_dict()["outer"],
                 "active_leases": [self._lease_view(lease) for lease in self.book.active_leases()],
             }
 
