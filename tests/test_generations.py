@@ -156,6 +156,33 @@ def test_a_failing_fill_leaves_no_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_read_that_fails_on_the_reader_thread_is_raised_by_the_merge(tmp_path: Path) -> None:
+    """Generation 1's state holds its fifth tensor as bf16: the reader thread, one tensor
+    ahead of the arithmetic, cannot read it into its fp32 buffer. The merge raises that
+    error by name after the four tensors before it went to the writer, and leaves no file."""
+    master, momentum = tensors(3, 0.5), tensors(4, 1e-3)
+    bad = list(SHAPES)[4]
+    master[bad] = master[bad].to(torch.bfloat16)
+    write_state(tmp_path / "master-1", master, momentum, interleaved=True)
+    delta = tmp_path / "delta-0"
+    save_tensors(tensors(20, 0.01, torch.bfloat16), delta)
+    emitted: list[str] = []
+
+    def step(emit):  # noqa: ANN001, ANN202
+        def record(name: str, w: torch.Tensor, b: torch.Tensor | None):  # noqa: ANN202
+            emitted.append(name)
+            return emit(name, w, b)
+
+        return merge_step(tmp_path / "master-1", SHAPES, [delta], [10], record, OuterConfig())
+
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"cannot hold.*{re.escape(bad)}"):
+        write_generation(out / "master-2", out / "global-2", SHAPES, 2, step, momentum=True)
+    assert emitted == list(SHAPES)[:4]
+    assert list(out.iterdir()) == []
+    assert [t.name for t in threading.enumerate() if t.name.startswith("generation-")] == []
+
+
 def test_tensor_file_reads_fresh_or_into_a_buffer_and_refuses_bad_headers(tmp_path: Path) -> None:
     master = tensors(5, 0.5)
     path = tmp_path / "s"
