@@ -12,6 +12,7 @@ Digests, chunked reads, write-back and fsync need no torch and live in
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -128,6 +129,7 @@ class StreamWriter:
         self._handle, self._hasher = handle, hasher
         self._specs = list(specs)
         self._next = 0
+        self._done: dict[int, int] = {}  # bytes written so far of tensors written in parts
         self._unsynced = 0
         self.digest = ""
 
@@ -147,6 +149,8 @@ class StreamWriter:
         if self._next >= len(self._specs):
             raise ValueError(f"all {len(self._specs)} tensors of the header are written")
         spec = self._specs[self._next]
+        if self._next in self._done:
+            raise ValueError(f"tensor {spec.name!r} is being written in parts")
         if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise ValueError(
                 f"tensor {spec.name!r} is {tensor.dtype} {tuple(tensor.shape)}; "
@@ -157,6 +161,47 @@ class StreamWriter:
         for lo in range(0, len(data), CHUNK):
             self._put(data[lo : lo + CHUNK])
         self._next += 1
+
+    def write_part(self, rows: torch.Tensor, *, ahead: int = 0) -> None:
+        """Write the next rows (of the first dimension) of the next tensor, or, ``ahead``
+        specs after it, of a later one: those go to their place in the file with ``pwrite``,
+        so only a file with no digest takes them. A tensor is written once all its rows are;
+        the file is the same as if each tensor had been written whole, in order."""
+        index = self._next + ahead
+        if ahead < 0 or index >= len(self._specs):
+            raise ValueError(f"no tensor {ahead} after the next of {len(self._specs)}")
+        if ahead and self._hasher is not None:
+            raise ValueError("a digested file is written in order")
+        spec = self._specs[index]
+        if rows.dtype != spec.dtype or not spec.shape or tuple(rows.shape[1:]) != spec.shape[1:]:
+            raise ValueError(
+                f"rows {rows.dtype} {tuple(rows.shape)} are not rows of tensor {spec.name!r} "
+                f"{spec.dtype} {spec.shape}"
+            )
+        data = _raw_bytes(rows.detach().to("cpu").contiguous())
+        done = self._done.get(index, 0)
+        if done + len(data) > spec.nbytes:
+            raise ValueError(f"rows past the end of tensor {spec.name!r}")
+        if ahead == 0:
+            for lo in range(0, len(data), CHUNK):
+                self._put(data[lo : lo + CHUNK])
+        else:
+            fd = self._handle.fileno()
+            at = self._handle.tell() - self._done.get(self._next, 0) + done
+            at += sum(s.nbytes for s in self._specs[self._next : index])
+            put = 0
+            while put < len(data):
+                put += os.pwrite(fd, data[put:], at + put)
+            self._unsynced += len(data)
+            if self._unsynced >= WRITEBACK_EVERY:
+                start_writeback(fd)
+                self._unsynced = 0
+        self._done[index] = done + len(data)
+        while self._next in self._done and self._done[self._next] == self._specs[self._next].nbytes:
+            if self._next != index or ahead:  # written ahead: step over it
+                self._handle.seek(self._specs[self._next].nbytes, os.SEEK_CUR)
+            del self._done[self._next]
+            self._next += 1
 
     @property
     def spec(self) -> TensorSpec:
@@ -384,17 +429,27 @@ class TensorFile:
             raise KeyError(name)
         return self._entries[name][0]
 
-    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, out: torch.Tensor | None = None, *, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """Tensor ``name``, read into a new tensor or into the front of ``out`` (a contiguous
-        buffer of the same dtype with room for it): the result is then a view of ``out``."""
+        buffer of the same dtype with room for it): the result is then a view of ``out``.
+        ``rows=(lo, hi)`` reads only those rows (of the first dimension)."""
         spec, offset = self._entries[name]
-        numel = spec.nbytes // torch.empty((), dtype=spec.dtype).element_size()
+        shape = spec.shape
+        if rows is not None:
+            lo, hi = rows
+            if not shape or not 0 <= lo < hi <= shape[0]:
+                raise ValueError(f"{self.path.name}: rows {lo}:{hi} are not rows of {spec}")
+            offset += lo * (spec.nbytes // shape[0])
+            shape = (hi - lo, *shape[1:])
+        numel = math.prod(shape)
         if out is None:
-            tensor = torch.empty(spec.shape, dtype=spec.dtype)
+            tensor = torch.empty(shape, dtype=spec.dtype)
         elif out.dtype != spec.dtype or not out.is_contiguous() or out.numel() < numel:
             raise ValueError(f"buffer {out.dtype} x{out.numel()} cannot hold {spec}")
         else:
-            tensor = out.view(-1)[:numel].view(spec.shape)
+            tensor = out.view(-1)[:numel].view(shape)
         view = _raw_bytes(tensor)
         done = 0
         while done < len(view):

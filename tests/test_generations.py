@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from crossfed import outer
+from crossfed.compress import open_delta, save_delta
+from crossfed.coordinator import generations
 from crossfed.coordinator.generations import (
     MOMENTUM,
     StateView,
@@ -26,7 +28,14 @@ from crossfed.coordinator.generations import (
 )
 from crossfed.coordinator.service import CoordinatorError
 from crossfed.outer import OuterConfig, StateError, outer_step, stream_outer_step
-from crossfed.transport import StreamWriter, TensorFile, digest_file, save_tensors
+from crossfed.transport import (
+    StreamWriter,
+    TensorFile,
+    TensorSpec,
+    digest_file,
+    save_tensors,
+    stream_writer,
+)
 from tests.conftest import digest_of, staged_delta
 from tests.test_outer import SHAPES  # the same tensor shapes as Eq. 1's pinned tests
 
@@ -144,6 +153,89 @@ def test_a_merge_from_files_writes_what_the_in_memory_step_computes(
     assert all(torch.equal(model[k], master[k].to(torch.bfloat16)) for k in master)
     assert digest == digest_file(out_model)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def _deltas(tmp_path: Path, master: dict, codec: str) -> list[Path]:
+    """Two contributors' delta files against ``master``: plain bf16 or fp32, int8 or int4."""
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"delta-{codec}-{i}")
+        step = tensors(20 + i, 0.01)
+        if codec == "fp32":
+            save_tensors(step, paths[-1])
+        else:
+            site = {k: master[k] + step[k] for k in master}
+            save_delta(site, master, paths[-1], codec=codec)
+    return paths
+
+
+@pytest.mark.parametrize("codec", ["none", "fp32", "int8", "int4"])
+@pytest.mark.parametrize("with_momentum", [True, False], ids=["momentum", "first-step"])
+def test_a_merge_in_row_blocks_writes_the_files_a_merge_by_tensor_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str, with_momentum: bool
+) -> None:
+    """Blocks of about 240 fp32 values cut every tensor of more than one row into row blocks
+    (1-D ones too); a plain delta is read by rows, a codec's decoded whole. Both files of
+    generation 2 are byte for byte those of the merge by whole tensors, which equals the
+    in-memory step, and the writer was handed blocks."""
+    master, momentum = tensors(3, 0.5), tensors(4, 1e-3) if with_momentum else {}
+    if with_momentum:
+        write_state(tmp_path / "master-1", master, momentum, interleaved=True)
+    else:
+        save_tensors(master, tmp_path / "master-1", {"generation": "1"}, algo=None)
+    paths = _deltas(tmp_path, master, codec)
+    emitted: list[tuple[str, tuple[int, ...]]] = []
+
+    def step(emit):  # noqa: ANN001, ANN202
+        def record(name: str, w: torch.Tensor, b: torch.Tensor | None):  # noqa: ANN202
+            emitted.append((name, tuple(w.shape)))
+            return emit(name, w, b)
+
+        return merge_step(tmp_path / "master-1", SHAPES, paths, [70, 30], record, OuterConfig())
+
+    files = {}
+    for limit in (1 << 30, 4 * 240):
+        monkeypatch.setattr(generations, "PIECE_BYTES", limit)
+        out = tmp_path / f"out-{limit}"
+        digest, report, _ = write_generation(
+            out / "master-2", out / "global-2", SHAPES, 2, step, momentum=True
+        )
+        files[limit] = (digest, (out / "master-2").read_bytes(), (out / "global-2").read_bytes())
+    assert files[4 * 240] == files[1 << 30]
+    blocks = [shape for name, shape in emitted if shape != SHAPES[name]]
+    assert (24, 24) not in blocks and len(blocks) > 30, blocks  # embed.weight: 10 blocks
+    with open_delta(paths[0]) as d0, open_delta(paths[1]) as d1:
+        deltas = [dict(d0.items()), dict(d1.items())]
+    expected = outer_step(master, momentum, deltas, [70, 30], OuterConfig())
+    assert report == expected
+    state = load_file(str(tmp_path / "out-960" / "master-2"))
+    assert all(torch.equal(state[k], master[k]) for k in master)
+    assert all(torch.equal(state[MOMENTUM + k], momentum[k]) for k in momentum)
+
+
+def test_stream_writer_takes_rows_in_order_and_refuses_rows_past_a_tensor(tmp_path: Path) -> None:
+    """Rows of two tensors interleaved (the second's written ahead, in place) give the file
+    the whole tensors give; rows past a tensor's end and ahead-writes into a digested file
+    are refused."""
+    a, b = torch.arange(12.0).view(6, 2), -torch.arange(12.0).view(6, 2)
+    specs = [TensorSpec.of("a", a), TensorSpec.of("b", b), TensorSpec.of("c", a[0])]
+    with stream_writer(tmp_path / "whole", specs, algo=None) as whole:
+        whole.write(a), whole.write(b), whole.write(a[0])
+    with stream_writer(tmp_path / "rows", specs, algo=None) as rows:
+        for lo in (0, 2, 4):
+            rows.write_part(b[lo : lo + 2], ahead=1)
+            rows.write_part(a[lo : lo + 2])
+        assert rows.spec.name == "c"
+        rows.write(a[0])
+    assert (tmp_path / "rows").read_bytes() == (tmp_path / "whole").read_bytes()
+    with pytest.raises(ValueError, match="past the end of tensor 'a'"):
+        with stream_writer(tmp_path / "over", specs, algo=None) as over:
+            over.write_part(a[:4])
+            over.write_part(a[:4])
+    with pytest.raises(ValueError, match="digested file is written in order"):
+        with stream_writer(tmp_path / "hashed", specs) as hashed:
+            hashed.write_part(b[:2], ahead=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows", "whole"]
 
 
 def test_a_failing_fill_leaves_no_file(tmp_path: Path) -> None:

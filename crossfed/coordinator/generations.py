@@ -21,6 +21,7 @@ tensor order (older coordinators wrote all master tensors before all momentum on
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import operator
@@ -37,7 +38,16 @@ import torch
 
 from crossfed.compress import decoded
 from crossfed.coordinator.faults import crash_point
-from crossfed.outer import OuterConfig, OuterStepReport, stream_outer_step
+from crossfed.outer import (
+    DELTA_DTYPES,
+    DeltaError,
+    OuterConfig,
+    OuterStepReport,
+    StateError,
+    _check_keys,
+    _names,
+    stream_outer_step,
+)
 from crossfed.transport import TensorFile, TensorSpec, stream_writer
 
 log = logging.getLogger(__name__)
@@ -49,6 +59,10 @@ Emit = Callable[[str, torch.Tensor, "torch.Tensor | None"], "threading.Event | N
 #: master/momentum buffer pairs a merge cycles through: one tensor read or computed while the
 #: one before it is written
 SLOTS = 2
+#: fp32 bytes of the largest block a merge moves at once: a larger tensor goes through the
+#: read, the arithmetic and the write in blocks of its rows of at most about this size, so
+#: the writer starts after the first block, not after the first (largest) tensor
+PIECE_BYTES = 64 << 20
 _POLL_S = 0.1  # how often a waiting thread checks that the merge still runs
 T = TypeVar("T")
 
@@ -62,6 +76,37 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def largest(shapes: Mapping[str, Sequence[int]]) -> int:
     """Elements of the largest tensor."""
     return max((math.prod(s) for s in shapes.values()), default=0)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``lo:hi`` of tensor ``name`` (all of it when ``whole``), moved through a merge as
+    one item under ``key`` (the name itself when whole)."""
+
+    key: str
+    name: str
+    lo: int
+    hi: int
+    shape: tuple[int, ...]
+    whole: bool
+
+
+def pieces(shapes: Mapping[str, Sequence[int]], limit: int | None = None) -> list[Piece]:
+    """``shapes``' tensors in order, each larger than ``limit`` fp32 bytes (default
+    :data:`PIECE_BYTES`) cut into row blocks of near-equal size. Eq. 1 is elementwise, so a
+    tensor merged block by block has the values it has merged whole."""
+    limit = PIECE_BYTES if limit is None else limit
+    out = []
+    for name, dims in shapes.items():
+        shape = tuple(dims)
+        count = min(shape[0], math.ceil(4 * math.prod(shape) / limit)) if shape else 1
+        if count <= 1:
+            out.append(Piece(name, name, 0, shape[0] if shape else 1, shape, True))
+            continue
+        bounds = [shape[0] * k // count for k in range(count + 1)]
+        for lo, hi in itertools.pairwise(bounds):
+            out.append(Piece(f"{name}[{lo}:{hi}]", name, lo, hi, (hi - lo, *shape[1:]), False))
+    return out
 
 
 class StateView(Mapping[str, torch.Tensor]):
@@ -106,18 +151,31 @@ class StateView(Mapping[str, torch.Tensor]):
 class _Writer:
     """A thread that writes a generation's tensors in the order they are emitted: the fp32
     state (``w``, then its momentum) and ``w`` cast to bf16 for the global model (digested as
-    written). :meth:`emit` queues a tensor pair (at most one waits) and returns an event set
-    once that pair is written, or dropped after an error. The first error stops the writing;
-    :meth:`emit` and :meth:`close` raise it in the caller's thread."""
+    written). :meth:`emit` queues a tensor pair, whole or a block of its rows (at most one
+    waits), and returns an event set once that pair is written, or dropped after an error.
+    The first error stops the writing; :meth:`emit` and :meth:`close` raise it in the
+    caller's thread."""
 
-    def __init__(self, state: Any, model: Any, count: int, size: int, *, momentum: bool) -> None:
+    def __init__(
+        self,
+        state: Any,
+        model: Any,
+        shapes: Mapping[str, tuple[int, ...]],
+        size: int,
+        *,
+        momentum: bool,
+    ) -> None:
         self.state, self.model, self.momentum = state, model, momentum
-        self.halfway = count // 2
+        self.shapes = shapes
+        self.halfway = len(shapes) // 2
+        self.rows = 0  # rows of the current tensor written so far, when written in blocks
         self.bf16 = torch.empty(size, dtype=torch.bfloat16)  # one cast buffer for all
         self.written, self.busy_s = 0, 0.0
         self.error: BaseException | None = None
         self.cancelled = False
-        self.queue: queue.Queue[tuple[torch.Tensor, torch.Tensor | None, threading.Event] | None]
+        self.queue: queue.Queue[
+            tuple[str, torch.Tensor, torch.Tensor | None, threading.Event] | None
+        ]
         self.queue = queue.Queue(maxsize=1)
         self.thread = threading.Thread(target=self._run, name="generation-writer", daemon=True)
         self.thread.start()
@@ -128,28 +186,43 @@ class _Writer:
         if self.momentum and b is None:
             raise ValueError(f"no momentum for tensor {name!r}")
         done = threading.Event()
-        self.queue.put((w, b, done))
+        self.queue.put((name, w, b, done))
         return done
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            w, b, done = item
+            name, w, b, done = item
             del item
             try:
                 if self.error is None and not self.cancelled:
-                    self._write(w, b)
+                    self._write(name, w, b)
             except BaseException as exc:  # raised in the merge's thread
                 self.error = exc
             finally:
                 del w, b
                 done.set()
 
-    def _write(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    def _write(self, name: str, w: torch.Tensor, b: torch.Tensor | None) -> None:
         started = time.perf_counter()
-        self.state.write(w)
-        if self.momentum:
-            self.state.write(b)
-        self.model.write(self.bf16[: w.numel()].view(w.shape).copy_(w))
+        if w.numel() <= self.bf16.numel():
+            bf16 = self.bf16[: w.numel()].view(w.shape).copy_(w)
+        else:  # a whole tensor larger than a merge's blocks (a caller that emits tensors whole)
+            bf16 = w.to(torch.bfloat16)
+        if self.rows == 0 and tuple(w.shape) == tuple(self.shapes.get(name, ())):
+            self.state.write(w)
+            if self.momentum:
+                self.state.write(b)
+            self.model.write(bf16)
+        else:  # a block of rows: the momentum's go to their place after the master's rows
+            if self.momentum:
+                self.state.write_part(b, ahead=1)
+            self.state.write_part(w)
+            self.model.write_part(bf16)
+            self.rows += w.shape[0]
+            if self.rows < self.shapes[name][0]:
+                self.busy_s += time.perf_counter() - started
+                return
+            self.rows = 0
         self.busy_s += time.perf_counter() - started
         self.written += 1
         if self.written == self.halfway:
@@ -197,7 +270,8 @@ def write_generation(
         stream_writer(state_path, state_specs, meta, algo=None) as state,
         stream_writer(global_path, global_specs, meta) as model,
     ):
-        writer = _Writer(state, model, len(shapes), largest(shapes), momentum=momentum)
+        size = largest({p.key: p.shape for p in pieces(shapes)})
+        writer = _Writer(state, model, shapes, size, momentum=momentum)
         try:
             result = fill(writer.emit)
         except BaseException:
@@ -231,23 +305,29 @@ class _Bundle:
 
 
 class _Prefetch:
-    """A thread that reads each tensor's master, momentum and live deltas, in ``names``
-    order, one tensor ahead of the merge: into a free :class:`_Slot` (waiting until the
+    """A thread that reads each piece's master, momentum and live deltas, in ``items``
+    order, one piece ahead of the merge: into a free :class:`_Slot` (waiting until the
     tensors last read into it are written) and, for deltas, into fresh tensors (dropped once
     the merge moves on). The merge takes them with :meth:`get` in the same order; a read's
-    error is raised there, at the tensor whose read failed."""
+    error is raised there, at the piece whose read failed.
+
+    A plain delta's rows are read block by block; a codec's (int8, int4: scales over the
+    flattened tensor) is decoded whole at the tensor's first block and its rows handed out
+    from that until the tensor's last."""
 
     def __init__(
         self,
-        names: Sequence[str],
+        shapes: Mapping[str, tuple[int, ...]],
+        items: Sequence[Piece],
         state: TensorFile,
         momentum: bool,
         deltas: Sequence[Mapping[str, torch.Tensor]],
         live: Sequence[int],
         size: int,
     ) -> None:
-        self.names, self.state = list(names), state
+        self.shapes, self.items, self.state = shapes, list(items), state
         self.deltas, self.live = deltas, list(live)
+        self.decoded: dict[int, tuple[str, torch.Tensor]] = {}  # a codec's tensor, whole
         self.free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(SLOTS):
             self.free.put(_Slot(torch.empty(size), torch.empty(size) if momentum else None))
@@ -278,25 +358,55 @@ class _Prefetch:
             self.ready.put(_Bundle("", None, failed=("", ""), error=exc))
 
     def _read_all(self) -> None:
-        for name in self.names:
+        for piece in self.items:
             slot = self._slot()
             if slot is None:
                 return
+            name, rows = piece.key, None if piece.whole else (piece.lo, piece.hi)
             bundle = _Bundle(name, slot)
             key: tuple[str | int, str] = ("master", name)
             try:
-                bundle.items[key] = self.state.read(name, slot.master)
+                bundle.items[key] = self.state.read(piece.name, slot.master, rows=rows)
                 if slot.momentum is not None:
                     key = ("momentum", name)
-                    bundle.items[key] = self.state.read(MOMENTUM + name, slot.momentum)
+                    bundle.items[key] = self.state.read(
+                        MOMENTUM + piece.name, slot.momentum, rows=rows
+                    )
                 for i in self.live:
                     key = (i, name)
-                    bundle.items[key] = self.deltas[i][name]
+                    bundle.items[key] = self._delta(i, piece)
             except BaseException as exc:  # raised in the merge's thread, at this read
                 bundle.failed, bundle.error = key, exc
             self.ready.put(bundle)
             if bundle.error is not None:
                 return
+
+    def _delta(self, i: int, piece: Piece) -> torch.Tensor:
+        """Contributor ``i``'s delta for ``piece``: read whole, read by rows (plain), or
+        rows of the tensor decoded whole (a codec)."""
+        blob = self.deltas[i]
+        if piece.whole:
+            return blob[piece.name]
+        handle = getattr(blob, "handle", None)
+        if getattr(blob, "codec", None) == "none" and isinstance(handle, TensorFile):
+            spec = handle.spec(piece.name)
+            _check_delta(piece.name, spec.dtype, spec.shape, self.shapes[piece.name])
+            return handle.read(piece.name, rows=(piece.lo, piece.hi))
+        held = self.decoded.get(i)
+        if held is None or held[0] != piece.name:
+            self.decoded.pop(i, None)  # the tensor before goes first
+            full = blob[piece.name]
+            if not isinstance(full, torch.Tensor):
+                raise DeltaError(
+                    f"delta tensor {piece.name!r} is a {type(full).__name__}, not a torch.Tensor",
+                    piece.name,
+                )
+            _check_delta(piece.name, full.dtype, tuple(full.shape), self.shapes[piece.name])
+            held = self.decoded[i] = (piece.name, full)
+        rows = held[1][piece.lo : piece.hi]
+        if piece.hi == self.shapes[piece.name][0]:
+            del self.decoded[i]
+        return rows
 
     def get(self, role: str | int, name: str) -> torch.Tensor:
         """``role``'s tensor ``name``: the current tensor's, or the next one's."""
@@ -357,6 +467,20 @@ class _Prefetched(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
+def _check_delta(
+    name: str, dtype: torch.dtype, shape: tuple[int, ...], want: tuple[int, ...]
+) -> None:
+    """A delta tensor read by rows must have the dtype and shape the step checks whole."""
+    if dtype not in DELTA_DTYPES:
+        raise DeltaError(
+            f"delta tensor {name!r} has dtype {dtype}; expected bfloat16 or float32", name
+        )
+    if tuple(shape) != tuple(want):
+        raise DeltaError(
+            f"delta tensor {name!r} has shape {tuple(shape)}; expected {tuple(want)}", name
+        )
+
+
 def _live(tokens: Sequence[int]) -> list[int]:
     """The contributors whose deltas the step reads (a positive token count); bad counts are
     left to :func:`stream_outer_step` to refuse."""
@@ -377,31 +501,70 @@ def merge_step(
     """Eq. 1 from generation files: the state in ``state_path`` and the deltas (any codec)
     in ``delta_paths`` are read tensor by tensor and each new tensor goes to ``emit``.
 
-    A reader thread (:class:`_Prefetch`) reads master and momentum into :data:`SLOTS` pairs
-    of buffers of the largest tensor's size, kept for the whole merge, and each delta tensor
-    when its turn comes, one tensor ahead of the arithmetic; a pair is read into again once
-    the event ``emit`` returned for its last tensors is set.
+    The step runs on :func:`pieces` of the tensors (row blocks of the large ones, each of
+    :data:`PIECE_BYTES` or less), and ``emit`` gets each piece: a whole tensor, or its row
+    blocks in row order. A reader thread (:class:`_Prefetch`) reads master and momentum
+    into :data:`SLOTS` pairs of buffers of the largest piece's size, kept for the whole
+    merge, and each delta's piece when its turn comes, one piece ahead of the arithmetic; a
+    pair is read into again once the event ``emit`` returned for its last piece is set.
+    Key sets are checked by tensor name before the first read.
     """
+    items = pieces(shapes)
+    by_key = {p.key: p for p in items}
+    keys_of: dict[str, list[str]] = {}
+    for p in items:
+        keys_of.setdefault(p.name, []).append(p.key)
+
+    def piece_keys(names: Sequence[str]) -> list[str]:
+        return [k for name in names for k in keys_of.get(name, [name])]
+
     with ExitStack() as files:
         blobs = [decoded(files.enter_context(TensorFile(path))) for path in delta_paths]
         state = files.enter_context(TensorFile(state_path))
         keys = state.keys()
         master_names = [k for k in keys if not k.startswith(MOMENTUM)]
         momentum_names = [k.removeprefix(MOMENTUM) for k in keys if k.startswith(MOMENTUM)]
+        live = _live(tokens)
+        if len(blobs) == len(tokens):  # else the step refuses the counts
+            _check_names(shapes, momentum_names, [blobs[i] for i in live])
         prefetch = _Prefetch(
-            list(shapes), state, bool(momentum_names), blobs, _live(tokens), largest(shapes)
+            shapes,
+            items,
+            state,
+            bool(momentum_names),
+            blobs,
+            live,
+            largest({p.key: p.shape for p in items}),
         )
         files.callback(prefetch.close)
 
-        def sink(name: str, w: torch.Tensor, b: torch.Tensor | None) -> None:
-            prefetch.release(name, emit(name, w, b))
+        def sink(key: str, w: torch.Tensor, b: torch.Tensor | None) -> None:
+            prefetch.release(key, emit(by_key[key].name, w, b))
 
         return stream_outer_step(
-            shapes,
-            _Prefetched(prefetch, "master", master_names),
-            _Prefetched(prefetch, "momentum", momentum_names),
-            [_Prefetched(prefetch, i, blob.keys()) for i, blob in enumerate(blobs)],
+            {p.key: p.shape for p in items},
+            _Prefetched(prefetch, "master", piece_keys(master_names)),
+            _Prefetched(prefetch, "momentum", piece_keys(momentum_names)),
+            [_Prefetched(prefetch, i, piece_keys(blob.keys())) for i, blob in enumerate(blobs)],
             tokens,
             sink,
             config,
         )
+
+
+def _check_names(
+    shapes: Mapping[str, tuple[int, ...]],
+    momentum: Sequence[str],
+    deltas: Sequence[Mapping[str, torch.Tensor]],
+) -> None:
+    """The momentum's and each live delta's tensor names against the master's, by tensor
+    (the step itself sees pieces), with the step's errors."""
+    if momentum and set(momentum) != set(shapes):
+        missing = sorted(set(shapes).difference(momentum))
+        extra = sorted(set(momentum).difference(shapes))
+        raise StateError(
+            "momentum must be empty or hold exactly the master's tensors; "
+            f"missing {_names(missing) or 'none'}, unexpected {_names(extra) or 'none'}"
+        )
+    for delta in deltas:
+        _check_keys(shapes, delta)  # type: ignore[arg-type]
