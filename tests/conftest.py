@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,17 @@ class SpareCoordinators:
     def close(self) -> None:
         if self.spare is not None:
             stop(self.spare.process)
+
+
+@pytest.fixture(autouse=True)
+def _reap_workflows() -> Iterator[None]:
+    """After each test, nothing a workflow test started keeps running (a failed test's
+    Snakemake, site jobs and coordinator would otherwise load every later test)."""
+    yield
+    for name in ("tests.test_workflow_e2e", "test_workflow_e2e"):  # imported both ways
+        module = sys.modules.get(name)
+        if module is not None:
+            module.reap_workflows()
 
 
 def stop(process: subprocess.Popen) -> None:

@@ -69,7 +69,30 @@ def snakemake(
         cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     proc.log_path = cwd / f"{name}.out"  # type: ignore[attr-defined]
+    STARTED.append((proc, cwd))
     return proc
+
+
+#: every workflow a test started, with its directory: reaped when the test ends
+STARTED: list[tuple[subprocess.Popen, Path]] = []
+
+
+def reap_workflows() -> None:
+    """SIGKILL what a test left running (it failed or timed out mid-run): each workflow's
+    process group, then whatever still works in its folder (site jobs, the embedded
+    coordinator, which runs in a session of its own)."""
+    while STARTED:
+        proc, cwd = STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        for entry in Path("/proc").iterdir():  # anything else still working in its folder
+            try:
+                inside = Path(os.readlink(entry / "cwd")).is_relative_to(cwd)
+                if entry.name.isdigit() and inside and int(entry.name) != os.getpid():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def finish(proc: subprocess.Popen, cwd: Path, timeout_s: float = 900) -> str:
