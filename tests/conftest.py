@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,25 @@ def _reap_workflows() -> Iterator[None]:
         module = sys.modules.get(name)
         if module is not None:
             module.reap_workflows()
+
+
+@contextmanager
+def coordinator_keeping_every_model(state: Path) -> Iterator[LiveCoordinator]:
+    """A standalone ``coordinator serve --keep-models 0`` in ``state`` (every global model
+    kept, as a run that sites may join late is served), stopped on leaving."""
+    state.mkdir(parents=True, exist_ok=True)
+    secrets = ensure_secrets(state / "secrets.yaml", SITES)
+    port = free_port("127.0.0.1")
+    cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir",
+           str(state), "--secrets", str(state / "secrets.yaml"), "--host", "127.0.0.1",
+           "--port", str(port), "--keep-models", "0"]  # fmt: skip
+    with open(state / "coordinator.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_serving(proc, state, "127.0.0.1", port, 240)
+        yield LiveCoordinator(f"http://127.0.0.1:{port}", state, secrets, proc, port)
+    finally:
+        stop(proc)
 
 
 def stop(process: subprocess.Popen) -> None:

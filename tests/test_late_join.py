@@ -23,11 +23,10 @@ import yaml
 from safetensors.torch import load_file
 
 from crossfed.catchup import OPEN
-from crossfed.coordinator.embedded import ensure_secrets, free_port, wait_until_serving
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import PROBE_COLUMNS
-from tests.conftest import SITES, LiveCoordinator, stop
+from tests.conftest import LiveCoordinator, coordinator_keeping_every_model
 from tests.test_coordinator_http import delta_file, global_model, wait_round_closed
 from tests.test_security import cli_config
 from tests.test_site_views import close_round_one
@@ -114,20 +113,8 @@ def site_workdir(tmp: Path, live: LiveCoordinator) -> Path:
 def live(tmp_path: Path) -> Iterator[LiveCoordinator]:
     """A standalone coordinator that keeps every global model (`--keep-models 0`, as a run
     that sites may join late is served): the late site secures generations 0..LATE-1."""
-    state = tmp_path / "coordinator"
-    state.mkdir()
-    secrets = ensure_secrets(state / "secrets.yaml", SITES)
-    port = free_port("127.0.0.1")
-    cmd = [str(BIN / "python"), "-m", "crossfed", "coordinator", "serve", "--state-dir",
-           str(state), "--secrets", str(state / "secrets.yaml"), "--host", "127.0.0.1",
-           "--port", str(port), "--keep-models", "0"]  # fmt: skip
-    with open(state / "coordinator.log", "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until_serving(proc, state, "127.0.0.1", port, 240)
-        yield LiveCoordinator(f"http://127.0.0.1:{port}", state, secrets, proc, port)
-    finally:
-        stop(proc)
+    with coordinator_keeping_every_model(tmp_path / "coordinator") as live:
+        yield live
 
 
 @pytest.mark.slow

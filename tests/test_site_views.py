@@ -18,9 +18,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from crossfed.coordinator.embedded import ensure_secrets, free_port, wait_until_serving
 from crossfed.report import contributions, round_table
-from tests.conftest import SITES, LiveCoordinator, stop, tiny_spec
+from tests.conftest import LiveCoordinator, coordinator_keeping_every_model, tiny_spec
 from tests.test_coordinator_http import (
     delta_file,
     global_model,
@@ -114,17 +113,7 @@ def test_keep_models_keeps_every_rounds_global_model_for_a_late_site(
     """``coordinator serve --keep-models 0``: every generation stays downloadable (a site
     that starts rounds late secures them all); the fp32 masters keep the last three."""
     state = tmp_path / "state"
-    state.mkdir()
-    secrets = ensure_secrets(state / "secrets.yaml", SITES)
-    port = free_port("127.0.0.1")
-    cmd = [str(BIN / "python"), "-m", "crossfed", "coordinator", "serve", "--state-dir",
-           str(state), "--secrets", str(state / "secrets.yaml"), "--host", "127.0.0.1",
-           "--port", str(port), "--keep-models", "0"]  # fmt: skip
-    with open(state / "coordinator.log", "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until_serving(proc, state, "127.0.0.1", port, 240)
-        live = LiveCoordinator(f"http://127.0.0.1:{port}", state, secrets, proc, port)
+    with coordinator_keeping_every_model(state) as live:
         live.client().init_run(tiny_spec(tiny_data).to_dict())
         for r in range(1, 6):
             model = global_model(live, r - 1, tmp_path)
@@ -137,5 +126,3 @@ def test_keep_models_keeps_every_rounds_global_model_for_a_late_site(
             late.download_model(generation, tmp_path / "late" / f"global-{generation}.st")
         masters = sorted(p.name for p in (state / "models").glob("master-*.safetensors"))
         assert masters == [f"master-{g:06d}.safetensors" for g in (3, 4, 5)]
-    finally:
-        stop(proc)
