@@ -25,13 +25,10 @@ from typing import Any
 
 import yaml
 
+from crossfed.sched.columns import PROBE_COLUMNS
+
 log = logging.getLogger(__name__)
 
-#: the probe table's columns (crossfed.sched.probe.PROBE_COLUMNS), for a header-only table
-PROBE_HEADER = (
-    "probed_at,site,shape,partition,nodes,gpus_per_node,walltime_s,ok,reason,detail,"
-    "est_start,wait_s,job_id"
-)
 
 #: the exit status of a command whose round is still open (its job then runs as always)
 OPEN = 1
@@ -119,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_atomic(out, json.dumps(plan, indent=2) + "\n")
         print(plan["detail"])
     else:
-        _write_atomic(out, PROBE_HEADER + "\n")
+        _write_atomic(out, ",".join(PROBE_COLUMNS) + "\n")
         print(f"{closed_detail(args.round, current)}: not probed")
     return 0
 

@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from crossfed.sched.columns import PROBE_COLUMNS
 from crossfed.sched.sacct import (
     SlurmDurationError,
     SlurmTimeError,
@@ -32,21 +33,6 @@ from crossfed.sched.sacct import (
 )
 from crossfed.sched.slurm_messages import ProbeReason, classify_failure
 
-PROBE_COLUMNS = (
-    "probed_at",
-    "site",
-    "shape",
-    "partition",
-    "nodes",
-    "gpus_per_node",
-    "walltime_s",
-    "ok",
-    "reason",
-    "detail",
-    "est_start",
-    "wait_s",
-    "job_id",
-)
 LOCAL_DETAIL = "local profile: no batch scheduler, jobs start now"
 
 
