@@ -179,7 +179,7 @@ def fits(now: float, deadline: float | None, estimate_s: float | None, margin_s:
 class RoundRunner(Protocol):
     """What the chain needs of a site runner (crossfed.site.SiteRunner)."""
 
-    def run_round(self, round_no: int) -> Any: ...
+    def run_round(self, round_no: int, accumulation: int | None = None) -> Any: ...
 
 
 class StatusSource(Protocol):
@@ -197,8 +197,8 @@ class ChainSettings:
     margin_s: float = 60.0
     prior_s: float | None = None  # round-time guess before any round was timed
     history_s: tuple[float, ...] = ()  # round durations from earlier jobs of the site
-    poll_s: float = 1.0  # first wait between status polls (doubles up to max_poll_s)
-    max_poll_s: float = 10.0
+    poll_s: float = 0.5  # first wait between status polls (doubles up to max_poll_s)
+    max_poll_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.through_round < 1:
@@ -317,6 +317,7 @@ def run_chain(
     *,
     share: Callable[[Any], Any] = lambda decision: decision,
     on_round: Callable[[Any, float], None] | None = None,
+    accumulation_for: Callable[[int], int | None] = lambda _round: None,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     log: Callable[[str], None] = lambda _: None,
@@ -327,7 +328,9 @@ def run_chain(
     hands its decision to every rank (a broadcast), so all ranks train the same rounds. While
     it waits for a round to close, a decision is shared at least every ``max_poll_s``, which
     keeps the ranks' collectives well inside their timeouts. ``on_round(outcome, seconds)``
-    sees every round's outcome as soon as it is known (the CLI writes the per-round record).
+    sees every round's outcome as soon as it is known (the CLI writes the per-round record);
+    ``accumulation_for(round)`` is the A the plans give the site for that round (None:
+    unchanged), read by the deciding process only.
     """
     out = ChainOutcome(site, "walltime", started_at=clock(), deadline=settings.deadline)
     durations = list(settings.history_s)
@@ -346,9 +349,11 @@ def run_chain(
             delay = min(delay * 2, settings.max_poll_s)
             continue
         delay = settings.poll_s
+        # rank 0's alone: the runner hands the round's A to the other ranks with the lease
+        accumulation = accumulation_for(current) if client is not None else None
         log(f"[{site}] round {current}: starting (estimate {out.estimate_s or 0:.0f}s)")
         started = clock()
-        outcome = runner.run_round(current)
+        outcome = runner.run_round(current, accumulation)
         seconds = clock() - started
         status = str(getattr(outcome, "status", "unknown"))
         out.rounds.append(
@@ -361,6 +366,30 @@ def run_chain(
         done.add(current)
     out.ended_at = clock()
     return out
+
+
+def planned_accumulation(results: Any, site: str, round_no: int) -> int | None:
+    """The accumulation A the newest plan of round ``round_no`` or earlier gives ``site``.
+
+    Each round's plan (``<results>/rounds/<r>/plan.json``) fills the barrier from the step
+    times measured so far (crossfed.train.barrier); a site loop reads it when it starts the
+    round, and the plan of an earlier round when the round's own is not written yet, so it
+    never waits for a plan. None: no plan gives one (the site's configured A holds).
+    """
+    import json
+    from pathlib import Path
+
+    for r in range(round_no, 0, -1):
+        path = Path(results) / "rounds" / str(r) / "plan.json"
+        try:
+            entry = json.loads(path.read_text()).get("sites", {}).get(site) or {}
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, AttributeError):
+            continue  # a plan being replaced or unreadable: the one before it
+        if entry.get("accumulation"):
+            return int(entry["accumulation"])
+    return None
 
 
 def history_durations(records: Sequence[Mapping[str, Any]], site: str) -> tuple[float, ...]:
@@ -550,6 +579,7 @@ def chain_job(
             chain,
             share=lambda decision: broadcast_object(decision, ranks),
             on_round=record if ranks.main else None,
+            accumulation_for=lambda r: planned_accumulation(config["results"], site, r),
             log=log if ranks.main else lambda _: None,
         )
     finally:

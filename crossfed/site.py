@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -270,13 +270,25 @@ class SiteRunner:
         return self.dir / "models" / f"global-{generation:06d}.safetensors"
 
     # ---------------------------------------------------------------- one round
-    def run_round(self, round_no: int) -> RoundOutcome:
-        """Train one round; every rank calls this, rank 0's outcome is the one to report."""
+    def run_round(self, round_no: int, accumulation: int | None = None) -> RoundOutcome:
+        """Train one round; every rank calls this, rank 0's outcome is the one to report.
+
+        ``accumulation`` (rank 0's, from the round's plan) replaces the settings' A for this
+        round and the ones after it; a phase resumed from its checkpoint keeps the A it began with.
+        """
+        if accumulation and self.ranks.main:
+            self._use_accumulation(int(accumulation))
         start = self._prepare(round_no) if self.ranks.main else None
         start = broadcast_object(start, self.ranks)
         if isinstance(start, RoundOutcome):
             return start
+        self._use_accumulation(int(start["accumulation"]))
         return self._run_phase(round_no, start)
+
+    def _use_accumulation(self, accumulation: int) -> None:
+        if accumulation != self.s.inner.accumulation:
+            inner = replace(self.s.inner, accumulation=accumulation)
+            self.s = replace(self.s, inner=inner)
 
     def _prepare(self, round_no: int) -> RoundOutcome | dict[str, Any]:
         """Rank 0: join, resend a checkpointed delta, adopt the global model, lease or resume."""
@@ -308,6 +320,8 @@ class SiteRunner:
             self.s.block_size,
         )
         cursor, lease = self._resumable(round_no, generation, joined)
+        if cursor is not None and cursor.get("accumulation"):
+            self._use_accumulation(int(cursor["accumulation"]))  # the phase's own A
         if lease is None:
             lease = self._lease(round_no, want, rtt)
         if lease == "missed":
@@ -350,6 +364,7 @@ class SiteRunner:
             "cursor": cursor,
             "download_s": download_s,
             "rtt_ms": rtt,
+            "accumulation": self.s.inner.accumulation,
         }
 
     def _resumable(
@@ -513,6 +528,7 @@ class SiteRunner:
             "generation": start["generation"],
             "global_step": start["global_step"],
             "site": self.s.site,
+            "accumulation": self.s.inner.accumulation,
             **state.to_dict(),
         }
 

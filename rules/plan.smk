@@ -21,6 +21,9 @@ rule plan:
         sites=config["sites_file"],
         done=lambda wildcards: int(wildcards.for_round) - 1,
         job_log=lambda wildcards: f"{RESULTS}/rounds/{wildcards.for_round}/job_log.csv",
+        # the planner's plan before the fill: the site loops read plan.json as soon as it
+        # exists, so it appears only once filled
+        draft=lambda wildcards: f"{RESULTS}/rounds/{wildcards.for_round}/.plan-draft.json",
         results=lambda wildcards, output: Path(output.plan).parents[2],
     conda:
         CONDA_ENV
@@ -29,7 +32,8 @@ rule plan:
         # late replays every earlier round): one process and one request write a plan
         # record saying so (crossfed.catchup). An open round: measured rounds -> the
         # planner's job log; the plan's accumulation then fills the barrier from measured
-        # step times (crossfed.train.barrier, paper Fig. 2a)
+        # step times (crossfed.train.barrier, paper Fig. 2a); every site loop, local or
+        # Slurm, takes its A for the round from it (crossfed.chain.planned_accumulation)
         "{params.python} -m crossfed.catchup plan --config {params.config}"
         " --round {wildcards.for_round} --out {output.plan} > {log} 2>&1"
         " || ({params.python} -m crossfed.train.barrier job-log --results {params.results}"
@@ -37,9 +41,10 @@ rule plan:
         " --sites {params.sites} --out {params.job_log} > {log} 2>&1"
         " && {params.crossfed} --log {log} plan --config {params.config}"
         " --probes {input.probe} --round {params.done} --job-log {params.job_log}"
-        " --out {output.plan}"
-        " && {params.python} -m crossfed.train.barrier fill --plan {output.plan}"
-        " --job-log {params.job_log} --sites {params.sites} >> {log} 2>&1)"
+        " --out {params.draft}"
+        " && {params.python} -m crossfed.train.barrier fill --plan {params.draft}"
+        " --out {output.plan} --job-log {params.job_log} --sites {params.sites} >> {log} 2>&1"
+        " && rm -f {params.draft})"
 
 
 rule plan_job:

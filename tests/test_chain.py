@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,7 @@ from crossfed.chain import (
     parse_end_time,
     parse_node_address,
     parse_squeue_job,
+    planned_accumulation,
     planned_job,
     proxy_env,
     rendezvous_endpoint,
@@ -159,7 +162,7 @@ class FakeRunner:
         self.coordinator, self.clock, self.seconds = coordinator, clock, seconds
         self.trained: list[int] = []
 
-    def run_round(self, round_no: int) -> Outcome:
+    def run_round(self, round_no: int, accumulation: int | None = None) -> Outcome:
         assert round_no == self.coordinator.round, "trained a round that is not open"
         self.clock[0] += self.seconds
         self.trained.append(round_no)
@@ -244,7 +247,7 @@ def test_a_rank_without_a_client_follows_the_shared_decisions() -> None:
     trained: list[int] = []
 
     class Follower:
-        def run_round(self, round_no: int) -> Outcome:
+        def run_round(self, round_no: int, accumulation: int | None = None) -> Outcome:
             trained.append(round_no)
             return Outcome(round_no)
 
@@ -252,6 +255,41 @@ def test_a_rank_without_a_client_follows_the_shared_decisions() -> None:
     run_chain("lumi", Follower(), None, settings, share=lambda _: next(decisions),
               sleep=lambda s: None)  # fmt: skip
     assert trained == [3, 4]
+
+
+def test_a_round_takes_the_newest_filled_plan_at_or_before_it(tmp_path: Path) -> None:
+    def plan(round_no: int, body: object) -> None:
+        path = tmp_path / "rounds" / str(round_no) / "plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body if isinstance(body, str) else json.dumps(body))
+
+    assert planned_accumulation(tmp_path, "lumi", 1) is None  # no plan yet: configured A
+    plan(1, {"sites": {"lumi": {"accumulation": 2}, "snellius": {"accumulation": 5}}})
+    plan(2, {"mode": "closed", "sites": {}})  # a closed round's record plans no site
+    plan(4, "{not json")  # being written, or broken: the plan before it
+    assert planned_accumulation(tmp_path, "lumi", 1) == 2
+    assert planned_accumulation(tmp_path, "lumi", 4) == 2  # round 4's own is unreadable
+    plan(3, {"sites": {"lumi": {"accumulation": 3}}})
+    assert planned_accumulation(tmp_path, "lumi", 4) == 3
+    assert planned_accumulation(tmp_path, "lumi", 2) == 2  # never a later round's plan
+    assert planned_accumulation(tmp_path, "frontier", 4) is None
+
+
+def test_the_loop_hands_each_round_its_planned_accumulation() -> None:
+    clock = [0.0]
+    coordinator = FakeCoordinator(lag=1)
+    seen: list[tuple[int, int | None]] = []
+
+    class Recording(FakeRunner):
+        def run_round(self, round_no: int, accumulation: int | None = None) -> Outcome:
+            seen.append((round_no, accumulation))
+            return super().run_round(round_no, accumulation)
+
+    runner = Recording(coordinator, clock, 1.0)
+    run_chain("lumi", runner, coordinator, ChainSettings(through_round=3),
+              accumulation_for=lambda r: {1: None, 2: 4}.get(r, 5), clock=lambda: clock[0],
+              sleep=lambda s: None)  # fmt: skip
+    assert seen == [(1, None), (2, 4), (3, 5)]
 
 
 # ---------------------------------------------------------------------------- the job's shape

@@ -186,6 +186,36 @@ def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_r
     assert row["grants"] == 1 and row["blocks_committed"] == 4 and row["blocks_lost"] == 0
 
 
+def test_a_round_takes_the_plans_accumulation_and_a_resumed_phase_keeps_its_own(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
+) -> None:
+    init(coordinator, tiny_data)
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+    assert settings.inner.accumulation == 1
+
+    class Killed(Exception):
+        pass
+
+    def die(self, pending) -> None:
+        raise Killed
+
+    with monkeypatch.context() as patch:  # the job dies before its delta is sent
+        patch.setattr(SiteRunner, "_write_pending", die)
+        with pytest.raises(Killed):
+            SiteRunner(settings, coordinator.client("lumi")).run_round(1, accumulation=2)
+    cursor = checkpoint.latest(settings.work_dir / "lumi" / "state")
+    # H=4 steps of W*A*B = 2*2*4 windows: the plan's A=2 sized the lease and the phase
+    assert cursor is not None and cursor["accumulation"] == 2 and cursor["windows"] == 64
+    # the retried job reads a newer plan (A=3): the phase it resumes keeps A=2
+    outcome = SiteRunner(settings, coordinator.client("lumi")).run_round(1, accumulation=3)
+    assert outcome.status == "accepted", outcome.detail
+    assert outcome.accumulation == 2 and outcome.windows == 64 and outcome.blocks_committed == 8
+    assert outcome.extra["resumed_at_window"] == 64
+    row = ledger_row(coordinator, "lumi")
+    assert row["grants"] == 1 and row["blocks_committed"] == 8 and row["blocks_lost"] == 0
+
+
 def test_block_end_finishes_the_block_in_progress() -> None:
     sizes = [8, 8, 8, 4]  # windows per leased block, the last one short
     assert [block_end(sizes, done) for done in (0, 1, 8, 9, 16, 25, 28)] == [

@@ -223,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_p.add_argument("--sites", help="sites.yaml, for the GPUs of each job shape")
     log_p.add_argument("--out", required=True)
     fill = sub.add_parser("fill", help="set the plan's accumulation from measured step times")
-    fill.add_argument("--plan", required=True, help="plan JSON, rewritten in place")
+    fill.add_argument("--plan", required=True, help="plan JSON")
+    fill.add_argument("--out", help="the filled plan (default: --plan, rewritten in place)")
     fill.add_argument("--job-log", required=True)
     fill.add_argument("--sites", required=True, help="sites.yaml (configured accumulation)")
     args = parser.parse_args(argv)
@@ -240,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan = json.loads(Path(args.plan).read_text())
             log = pd.read_csv(args.job_log)
             plan = fill_plan(plan, log, _configured(Path(args.sites)))
-            _write_atomic(Path(args.plan), json.dumps(plan, indent=2, default=str) + "\n")
+            out = Path(args.out or args.plan)
+            _write_atomic(out, json.dumps(plan, indent=2, default=str) + "\n")
             barrier = plan["barrier"]
             shares = ", ".join(f"{s} {v:.0%}" for s, v in barrier["predicted_idle_share"].items())
             print(
