@@ -263,30 +263,21 @@ def _secure_model(config: dict[str, Any], client: Any, generation: int, out: Pat
 
     The coordinator keeps only its last few generations, so the workflow's copy would be
     the only one left; Snakemake deletes a rule's outputs before it reruns the rule. The
-    model is kept in ``<results>/.crossfed/models`` (no rule's output) and hard-linked to
-    ``out``, so a rerun that deleted ``out`` finds it there again.
+    model is kept in ``<results>/.crossfed/models`` (no rule's output; a site loop that
+    trained from it may have put it there already) and hard-linked to ``out``, so a rerun
+    that deleted ``out`` finds it there again.
     """
-    kept = Path(config["results"]) / ".crossfed" / "models" / f"global-{generation}.safetensors"
+    from crossfed.fileio import kept_model_path, link_or_copy
+
+    kept = kept_model_path(Path(config["results"]), generation)
     if not kept.exists():
         if out.exists():  # secured before the kept copy existed
-            _link_or_copy(out, kept)
+            link_or_copy(out, kept)
         else:
             client.download_model(generation, kept)
     if not out.exists():
-        _link_or_copy(kept, out)
+        link_or_copy(kept, out)
     return out
-
-
-def _link_or_copy(source: Path, dest: Path) -> None:
-    import shutil
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.link")
-    try:
-        os.link(source, tmp)
-    except OSError:  # another filesystem
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, dest)
 
 
 def _warn_schedule(status: dict[str, Any], spec: Any) -> None:

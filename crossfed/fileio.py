@@ -169,3 +169,38 @@ def iter_chunks(path: Path, start: int = 0, end: int | None = None) -> Iterable[
                 return
             left -= len(chunk)
             yield chunk
+
+
+def kept_model_path(results: Path, generation: int) -> Path:
+    """Where a run folder keeps generation ``generation``'s global model, no rule's output.
+
+    The coordinator keeps only its last few generations; the workflow's checkpoint under
+    ``results/checkpoints`` is a hard link to this copy, so a rerun that deleted the
+    checkpoint finds the model here again.
+    """
+    return Path(results) / ".crossfed" / "models" / f"global-{generation}.safetensors"
+
+
+def link_or_copy(source: Path, dest: Path) -> None:
+    """``dest`` as a hard link to ``source`` (a copy across filesystems), replaced atomically."""
+    import shutil
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.link")
+    try:
+        os.link(source, tmp)
+    except OSError:  # another filesystem
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, dest)
+
+
+def keep_global_model(downloaded: Path, results: Path, generation: int) -> None:
+    """Keep a global model a site loop downloaded as the run folder's copy (if it has none).
+
+    A site loop trains the rounds back to back and may run rounds ahead of the workflow's
+    merge jobs, which secure each round's model; this copy spares them a download the
+    coordinator may no longer serve.
+    """
+    kept = kept_model_path(results, generation)
+    if not kept.exists():
+        link_or_copy(downloaded, kept)

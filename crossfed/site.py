@@ -50,6 +50,7 @@ from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.coordinator.faults import crash_point
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
+from crossfed.fileio import keep_global_model
 from crossfed.progress import CONSOLE, step_line
 from crossfed.site_lock import hold_site_folder
 from crossfed.train import checkpoint
@@ -421,6 +422,7 @@ class SiteRunner:
         assert self.client is not None
         path = self._model_path(generation)
         self.client.download_model(generation, path)
+        keep_global_model(path, self.s.work_dir.parent, generation)
         for old in path.parent.glob("global-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)

@@ -27,7 +27,8 @@ check_rerun(config, SITE_CONFIG)
 # The sites whose jobs this workflow submits: every site of the run (local profile, one
 # login node driving a test cluster), or only the site whose login node this is.
 HERE = config["here"] or SITES
-# A site without a batch scheduler runs one job per round; a Slurm site chains allocations.
+# A site without a batch scheduler runs one site-loop job for the run; a Slurm site chains
+# allocations, each running the same loop (rules/train.smk).
 LOCAL_SITES = [s for s in HERE if SITE_CONFIG[s]["scheduler"] != "slurm"]
 SLURM_SITES = [s for s in HERE if SITE_CONFIG[s]["scheduler"] == "slurm"]
 

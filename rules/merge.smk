@@ -19,6 +19,9 @@ rule merge:
     params:
         crossfed=CROSSFED,
         config=CONFIG,
+    # it waits on the coordinator: no core of the workflow's is held while it does, so the
+    # next round's probe, plan and evaluations keep pace with the site loops
+    threads: 0
     conda:
         CONDA_ENV
     shell:

@@ -8,7 +8,7 @@ rule report:
     input:
         evaluations=expand(f"{RESULTS}/rounds/{{round}}/eval.json", round=[0] + ROUNDS),
         merges=expand(f"{RESULTS}/rounds/{{round}}/merge.json", round=ROUNDS),
-        chains=CHAIN_ENDS,
+        chains=TRAIN_TARGETS,
     output:
         final=f"{RESULTS}/metrics/final.json",
         rounds=f"{RESULTS}/metrics/rounds.csv",

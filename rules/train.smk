@@ -1,24 +1,29 @@
 # Stage 3 of a round: the sites train H inner steps on leased blocks.
 #
-# A site without a batch scheduler runs one job per round (rule train). A Slurm site runs a
-# chain of allocations (checkpoint train_job): each job has the planned shape, trains the
-# coordinator's current round and the ones after it back to back, and starts no round it
-# could not finish before its walltime; the workflow then probes, plans and submits the
-# next job, which carries on from whatever round is current. A job Slurm kills (walltime,
-# node failure, scancel) loses only its in-flight lease and is retried. Elastic: no rule
-# needs every site's output.
+# Every site runs the same site loop (crossfed.chain): a long-lived job that trains the
+# coordinator's current round and the ones after it back to back, taking each round's
+# accumulation A from the newest plan (the barrier fill), and never replays a round the
+# coordinator has closed, so a site that starts late trains the round that is open. A site
+# without a batch scheduler runs one such job for the run (rule train). A Slurm site runs a
+# chain of allocations (checkpoint train_job): each job has the planned shape and starts no
+# round it could not finish before its walltime; the workflow then probes, plans and submits
+# the next job, which carries on from whatever round is current by then. A job that dies
+# (walltime, node failure, scancel, a crash) loses only its in-flight lease and is retried.
+# Elastic: no rule needs every site's output. Both write one record per round trained
+# (<results>/rounds/<r>/train/<site>.json) and, at the end, the chain-<last round>.json
+# that names the run's length, so an extended run trains on.
 
 
 rule train:
     input:
-        plan=f"{RESULTS}/rounds/{{round}}/plan.json",
-        previous=previous_model,
+        run=f"{RESULTS}/run.json",
     output:
-        outcome=f"{RESULTS}/rounds/{{round}}/train/{{site}}.json",
+        end=f"{RESULTS}/sites/{{site}}/chain-{{last_round}}.json",
     log:
-        f"{LOGS}/train/{{site}}-{{round}}.log",
+        f"{LOGS}/train/{{site}}-through-{{last_round}}.log",
     wildcard_constraints:
         site=alternatives(LOCAL_SITES),
+        last_round=r"[1-9]\d*",
     params:
         crossfed=CROSSFED_JOB,
         config=CONFIG,
@@ -32,8 +37,8 @@ rule train:
         *MODULES,
     shell:
         "{params.crossfed} --log {log} site run --config {params.config} --site {wildcards.site}"
-        " --round {wildcards.round} --plan {input.plan} --threads {threads}"
-        " --out {output.outcome}"
+        " --through-round {wildcards.last_round} --until-walltime none"
+        " --threads {threads} --out {output.end}"
 
 
 checkpoint train_job:
@@ -97,9 +102,6 @@ rule chain_end:
         "cp {input.last} {output.end} 2> {log}"
 
 
-CHAIN_ENDS = expand(
-    f"{RESULTS}/sites/{{site}}/chain-{{last_round}}.json", site=SLURM_SITES, last_round=ROUNDS[-1]
-)
 TRAIN_TARGETS = expand(
-    f"{RESULTS}/rounds/{{round}}/train/{{site}}.json", round=ROUNDS, site=LOCAL_SITES
-) + CHAIN_ENDS
+    f"{RESULTS}/sites/{{site}}/chain-{{last_round}}.json", site=HERE, last_round=ROUNDS[-1]
+)

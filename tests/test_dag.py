@@ -1,5 +1,6 @@
 """`snakemake --dag` names every round's jobs (each label unique, its round or generation in it,
-edges joining the same round), and `--rulegraph` still shows the stages by rule name alone."""
+edges joining the same round), each site's one site-loop job names the run's last round, and
+`--rulegraph` still shows the stages by rule name alone."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.conftest import REPO
 
 BIN = Path(sys.executable).parent
 ROUNDS = 3
-PER_ROUND = {"probe": "round", "plan": "for_round", "train": "round", "merge": "round"}
+PER_ROUND = {"probe": "round", "plan": "for_round", "merge": "round"}
 
 
 def graph(tmp_path: Path, kind: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
@@ -51,8 +52,10 @@ def test_every_round_job_is_labelled_with_its_round(tmp_path: Path) -> None:
         seen.setdefault(rule, []).append(wildcards)
     for rule, name in PER_ROUND.items():
         numbers = sorted(w[name] for w in seen[rule])
-        assert numbers == sorted(rounds * (len(sites) if rule == "train" else 1)), rule
-    assert sorted(w["site"] for w in seen["train"]) == sorted(sites * ROUNDS)
+        assert numbers == rounds, rule
+    # one site loop per site trains every round: it is named after the run's last round
+    assert sorted(w["site"] for w in seen["train"]) == sorted(sites)
+    assert {w["last_round"] for w in seen["train"]} == {str(ROUNDS)}
     assert sorted(w["generation"] for w in seen["checkpoint"]) == ["0", *rounds]
 
     def number(node: str) -> int:
@@ -63,10 +66,14 @@ def test_every_round_job_is_labelled_with_its_round(tmp_path: Path) -> None:
     for source, target in edges:  # Snakemake draws input job -> job that reads it
         (a, _), (b, _) = jobs[source], jobs[target]
         if a in PER_ROUND and b in PER_ROUND or (a, b) == ("merge", "checkpoint"):
-            step = 1 if (a, b) in {("merge", "probe"), ("merge", "train")} else 0
+            step = 1 if (a, b) == ("merge", "probe") else 0
             assert number(target) == number(source) + step, (nodes[source], nodes[target])
             joined += 1
-    assert joined >= 5 * ROUNDS
+    assert joined >= 4 * ROUNDS - 1  # probe -> plan -> merge -> checkpoint, merge -> next probe
+    into_train = {jobs[a][0] for a, b in edges if jobs[b][0] == "train"}
+    out_of_train = {jobs[b][0] for a, b in edges if jobs[a][0] == "train"}
+    assert into_train == {"init_run"}, into_train
+    assert out_of_train <= {"report", "all"}, out_of_train
 
 
 def test_the_rule_graph_shows_the_stages_by_name(tmp_path: Path) -> None:
@@ -76,6 +83,7 @@ def test_the_rule_graph_shows_the_stages_by_name(tmp_path: Path) -> None:
          "train"]
     )  # fmt: skip
     named = {(nodes[a], nodes[b]) for a, b in edges}
-    for stage in [("probe", "plan"), ("plan", "train"), ("plan", "merge"), ("merge", "probe"),
-                  ("merge", "checkpoint"), ("checkpoint", "report")]:  # fmt: skip
+    for stage in [("probe", "plan"), ("init_run", "train"), ("train", "report"),
+                  ("plan", "merge"), ("merge", "probe"), ("merge", "checkpoint"),
+                  ("checkpoint", "report")]:  # fmt: skip
         assert stage in named
