@@ -1,6 +1,6 @@
 # crossfed: one LLM pre-training run pooled across several Slurm sites.
 # Rounds read like a table of contents: probe -> plan -> train (one job per site) -> merge
-# -> checkpoint, then a final report. Every rule calls the `crossfed` CLI.
+# -> evaluate, then a final report. Every rule calls the `crossfed` CLI.
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -15,7 +15,7 @@ include: "rules/probe.smk"
 include: "rules/plan.smk"
 include: "rules/train.smk"
 include: "rules/merge.smk"
-include: "rules/checkpoint.smk"
+include: "rules/evaluate.smk"
 include: "rules/report.smk"
 
 

@@ -1044,12 +1044,13 @@ def build_parser() -> argparse.ArgumentParser:
     wait.set_defaults(func=cmd_round_wait)
 
     ckpt = sub.add_parser(
-        "checkpoint",
+        "evaluate",
+        aliases=["checkpoint"],  # its first name, kept for scripts that use it
         help="pull a global model and evaluate it",
         description="Download a generation's global model and measure its held-out loss and "
         "perplexity\n(eval.max_windows windows of the validation split, on eval.device).",
         epilog=_examples(
-            "crossfed checkpoint --config config/config.yaml --generation 3 \\",
+            "crossfed evaluate --config config/config.yaml --generation 3 \\",
             "    --model-out results/checkpoints/global-3.safetensors --out eval.json",
         ),
     )

@@ -84,7 +84,7 @@ def write_config():
 wildcard_constraints:
     round=r"\d+",
     for_round=r"\d+",  # the plan's round
-    generation=r"\d+",  # the checkpoint's: the round that made the model
+    generation=r"\d+",  # the evaluation's: the round that made the model
     job=r"[1-9]\d*",
     site="|".join(SITES),
 

@@ -3,13 +3,13 @@
 # The wildcard is the generation (the round that made the model; 0 = the initial model).
 
 
-rule checkpoint:
+rule evaluate:
     input:
         model=f"{RESULTS}/checkpoints/global-{{generation}}.safetensors",
     output:
         evaluation=f"{RESULTS}/rounds/{{generation}}/eval.json",
     log:
-        f"{LOGS}/checkpoint/{{generation}}.log",
+        f"{LOGS}/evaluate/{{generation}}.log",
     params:
         crossfed=CROSSFED_JOB,
         config=CONFIG,
@@ -21,6 +21,6 @@ rule checkpoint:
     envmodules:
         *MODULES,
     shell:
-        "{params.crossfed} --log {log} checkpoint --config {params.config}"
+        "{params.crossfed} --log {log} evaluate --config {params.config}"
         " --generation {wildcards.generation} --model-out {input.model}"
         " --out {output.evaluation} --threads {threads}"

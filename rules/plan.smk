@@ -1,6 +1,6 @@
 # Stage 2: choose which sites train, with which shape and accumulation (the waterfill).
 # The round is the wildcard `for_round` here (`round` in probe, train and merge, `generation`
-# in checkpoint): `snakemake --dag` labels a job with the wildcards its inputs' jobs lack, so
+# in evaluate): `snakemake --dag` labels a job with the wildcards its inputs' jobs lack, so
 # each stage names the round under its own word and every round's jobs carry their number.
 # Work is counted in outer rounds (one data unit = the tokens of one round); rounds already
 # done are not replanned. The run's length comes from the config file, not from params, so

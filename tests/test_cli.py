@@ -22,11 +22,16 @@ from tests.conftest import REPO, stop, write_yaml
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple]:
-    """Every command path under ``parser`` (groups and their actions alike)."""
+    """Every command path under ``parser`` (groups and their actions alike; an alias, such
+    as `checkpoint` for `evaluate`, is the same command under its first name)."""
     found = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
+            seen: set[int] = set()
             for name, child in action.choices.items():
+                if id(child) in seen:
+                    continue
+                seen.add(id(child))
                 found.append((*path, name))
                 found += commands(child, (*path, name))
     return found

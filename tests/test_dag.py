@@ -56,7 +56,7 @@ def test_every_round_job_is_labelled_with_its_round(tmp_path: Path) -> None:
     # one site loop per site trains every round: it is named after the run's last round
     assert sorted(w["site"] for w in seen["train"]) == sorted(sites)
     assert {w["last_round"] for w in seen["train"]} == {str(ROUNDS)}
-    assert sorted(w["generation"] for w in seen["checkpoint"]) == ["0", *rounds]
+    assert sorted(w["generation"] for w in seen["evaluate"]) == ["0", *rounds]
 
     def number(node: str) -> int:
         rule, wildcards = jobs[node]
@@ -65,11 +65,11 @@ def test_every_round_job_is_labelled_with_its_round(tmp_path: Path) -> None:
     joined = 0
     for source, target in edges:  # Snakemake draws input job -> job that reads it
         (a, _), (b, _) = jobs[source], jobs[target]
-        if a in PER_ROUND and b in PER_ROUND or (a, b) == ("merge", "checkpoint"):
+        if a in PER_ROUND and b in PER_ROUND or (a, b) == ("merge", "evaluate"):
             step = 1 if (a, b) == ("merge", "probe") else 0
             assert number(target) == number(source) + step, (nodes[source], nodes[target])
             joined += 1
-    assert joined >= 4 * ROUNDS - 1  # probe -> plan -> merge -> checkpoint, merge -> next probe
+    assert joined >= 4 * ROUNDS - 1  # probe -> plan -> merge -> evaluate, merge -> next probe
     into_train = {jobs[a][0] for a, b in edges if jobs[b][0] == "train"}
     out_of_train = {jobs[b][0] for a, b in edges if jobs[a][0] == "train"}
     assert into_train == {"init_run"}, into_train
@@ -79,11 +79,11 @@ def test_every_round_job_is_labelled_with_its_round(tmp_path: Path) -> None:
 def test_the_rule_graph_shows_the_stages_by_name(tmp_path: Path) -> None:
     nodes, edges = graph(tmp_path, "rulegraph")
     assert sorted(nodes.values()) == sorted(
-        ["all", "report", "checkpoint", "init_run", "prepare_data", "merge", "plan", "probe",
+        ["all", "report", "evaluate", "init_run", "prepare_data", "merge", "plan", "probe",
          "train"]
     )  # fmt: skip
     named = {(nodes[a], nodes[b]) for a, b in edges}
     for stage in [("probe", "plan"), ("init_run", "train"), ("train", "report"),
-                  ("plan", "merge"), ("merge", "probe"), ("merge", "checkpoint"),
-                  ("checkpoint", "report")]:  # fmt: skip
+                  ("plan", "merge"), ("merge", "probe"), ("merge", "evaluate"),
+                  ("evaluate", "report")]:  # fmt: skip
         assert stage in named

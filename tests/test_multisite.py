@@ -195,7 +195,7 @@ def site_edits(site: str, root: Path, cluster: SlurmTestCluster, url: str, image
             slurm_partition=evaluation, cpus_per_task=1, mem_mb=400, runtime=10
         )
         p["set-resources"]["train_job"].update(cpus_per_task=1, mem_mb=400)
-        p["set-threads"] = {"train_job": 1, "checkpoint": 1}
+        p["set-threads"] = {"train_job": 1, "evaluate": 1}
         p.update({"latency-wait": 5, "slurm-init-seconds-before-status-checks": 1,
                   "seconds-between-status-checks": 1})  # fmt: skip
 

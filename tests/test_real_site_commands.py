@@ -103,7 +103,7 @@ def user_edits(site: Path, cluster: SlurmTestCluster, url: str, image: Path) -> 
         )
         p["set-resources"]["prepare_data"].update(cpus_per_task=1, mem_mb=500, runtime=10)
         p["set-resources"]["train_job"].update(cpus_per_task=1, mem_mb=500)
-        p["set-threads"] = {"train_job": 1, "checkpoint": 1}
+        p["set-threads"] = {"train_job": 1, "evaluate": 1}
         # the test cluster answers at once: poll it every second, not every minute
         p.update({"latency-wait": 5, "slurm-init-seconds-before-status-checks": 1,
                   "seconds-between-status-checks": 1})  # fmt: skip
@@ -273,7 +273,7 @@ def run_site(site, vm, cluster, tmp_path, url, init, secrets, vm_env, image) -> 
         assert merge["status"] == "closed" and merge["report"]["contributors"] == ["lumi"]
     # the jobs ran the image's crossfed (through the stand-in), the login node the venv's
     calls = (image / "calls.log").read_text()
-    for job in ("data prepare", "site run", "checkpoint"):
+    for job in ("data prepare", "site run", "evaluate"):
         assert job in calls, calls
     for login in ("round wait", "run init", "probe", "plan", "report"):
         assert f" {login} " not in calls, calls

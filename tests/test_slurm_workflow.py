@@ -103,7 +103,7 @@ def workdir(tmp_path: Path, cluster: SlurmTestCluster) -> Path:
                 "cpus_per_task": 1,
             },
             "set-resources": {"train_job": {"cpus_per_task": 1, "mem_mb": 500}},
-            "set-threads": {"train_job": 1, "checkpoint": 1},
+            "set-threads": {"train_job": 1, "evaluate": 1},
         }
     )
     (tmp_path / "profile").mkdir()
