@@ -33,6 +33,7 @@ from crossfed.chain import (
     srun_per_node,
 )
 from crossfed.sched.sacct import parse_sacct, walltime_discount
+from tests.helpers.fake_coordinator import FakeCoordinator
 
 # ---------------------------------------------------------------------------- Slurm facts
 
@@ -142,22 +143,10 @@ class Outcome:
     detail: str = ""
 
 
-class FakeCoordinator:
-    """Round r closes once the site has trained it and ``lag`` status polls have passed."""
-
-    def __init__(self, lag: int = 2) -> None:
-        self.round, self.lag, self.polls = 1, lag, 0
-        self.pending: int | None = None
-
-    def status(self) -> dict:
-        if self.pending is not None:
-            self.polls += 1
-            if self.polls > self.lag:
-                self.round, self.pending, self.polls = self.pending + 1, None, 0
-        return {"round": self.round}
-
-
 class FakeRunner:
+    """Trains the open round in ``seconds`` of the fake clock; the fake coordinator closes it
+    (round r closes once the site has trained it and ``lag`` status polls have passed)."""
+
     def __init__(self, coordinator: FakeCoordinator, clock: list[float], seconds: float) -> None:
         self.coordinator, self.clock, self.seconds = coordinator, clock, seconds
         self.trained: list[int] = []

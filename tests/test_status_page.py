@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from crossfed.coordinator.service import CoordinatorError
 from crossfed.coordinator.status_page import COOKIE, page_state, session_value, state_json
 from tests.conftest import REPO, LiveCoordinator
+from tests.helpers.fake_coordinator import FakeCoordinator
 from tests.test_coordinator_http import (
     delta_file,
     global_model,
@@ -26,38 +26,26 @@ ARTIFACTS = REPO / "results" / "test-artifacts"
 
 
 # ------------------------------------------------------------------------ pure parts
-class FakeCoordinator:
+def fake_coordinator(run: bool = True) -> FakeCoordinator:
     """The four read-only views the page uses, with fixed answers."""
-
-    def __init__(self, run: bool = True) -> None:
-        self.run = run
-
-    def status(self) -> dict:
-        if not self.run:
-            raise CoordinatorError(409, "no_run", "no run initialised")
-        lease = {"lease_id": 7, "site": "lumi", "round": 3, "consumed": 1, "n_blocks": 4}
-        return {
-            "round": 3,
-            "generation": 2,
-            "active_leases": [{**lease, "expires_at": 1030.0}],
-        }
-
-    def sites_view(self) -> list[dict]:
-        return [
+    lease = {"lease_id": 7, "site": "lumi", "round": 3, "consumed": 1, "n_blocks": 4}
+    return FakeCoordinator(
+        run=run,
+        round_no=3,
+        generation=2,
+        leases=[{**lease, "expires_at": 1030.0}],
+        sites=[
             {"site": "lumi", "ranks": 2, "rtt_ms": 70.0, "t_step_s": 0.5, "last_seen": 500.0},
             {"site": "old", "ranks": 1, "rtt_ms": None, "t_step_s": None, "last_seen": 900.0},
             {"site": "snellius", "ranks": 1, "rtt_ms": 3.0, "t_step_s": 0.2, "last_seen": 995.0},
-        ]
-
-    def ledger_table(self) -> list[dict]:
-        return [{"site": "total", "rtt_ms": None}]
-
-    def round_history(self) -> list[dict]:
-        return [{"round": 1, "loss": float("nan"), "site_loss": {"lumi": 3.0}}]
+        ],
+        ledger=[{"site": "total", "rtt_ms": None}],
+        history=[{"round": 1, "loss": float("nan"), "site_loss": {"lumi": 3.0}}],
+    )
 
 
 def test_page_state_marks_live_sites_and_lease_progress() -> None:
-    state = page_state(FakeCoordinator(), {"http_5xx": 0}, now=1000.0)
+    state = page_state(fake_coordinator(), {"http_5xx": 0}, now=1000.0)
     sites = {s["site"]: s for s in state["sites"]}
     assert sites["lumi"]["live"]  # holds a lease although last heard of 500 s ago
     assert sites["snellius"]["live"] and not sites["old"]["live"]
@@ -70,7 +58,7 @@ def test_page_state_marks_live_sites_and_lease_progress() -> None:
 
 
 def test_page_state_without_a_run() -> None:
-    state = page_state(FakeCoordinator(run=False), now=5.0)
+    state = page_state(fake_coordinator(run=False), now=5.0)
     assert state == {"run": False, "now": 5.0, "http": {}}
 
 

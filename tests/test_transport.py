@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import blake3
 import httpx
 import pytest
 import torch
@@ -41,12 +40,9 @@ from crossfed.transport import (
     save_stream,
     save_tensors,
 )
+from tests.helpers.fake_coordinator import FakeCoordinator, blake
 
 MiB = 1 << 20
-
-
-def blake(data: bytes) -> str:
-    return "blake3:" + blake3.blake3(data).hexdigest()
 
 
 def sha(data: bytes) -> str:
@@ -355,73 +351,6 @@ def test_unsatisfiable_ranges_are_refused(header: str) -> None:
 
 
 # --------------------------------------------------------------------------- client logic
-class FakeCoordinator:
-    """The blob and delta routes in memory, behind httpx.MockTransport, with faults."""
-
-    def __init__(self) -> None:
-        self.staged: dict[str, bytearray] = {}
-        self.complete: dict[str, bytes] = {}
-        self.deltas: dict[int, str] = {}
-        self.calls: list[str] = []
-        self.faults: list[str] = []  # consumed in order: "drop", "timeout", "inline_408"
-
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        path, method = request.url.path, request.method
-        self.calls.append(f"{method} {path}")
-        fault = self.faults.pop(0) if self.faults else None
-        if path.endswith("/state"):
-            key = path.split("/")[3]
-            if key in self.complete:
-                size = len(self.complete[key])
-                return httpx.Response(
-                    200, json={"key": key, "complete": True, "offset": size, "bytes": size}
-                )
-            offset = len(self.staged.get(key, b""))
-            return httpx.Response(
-                200, json={"key": key, "complete": False, "offset": offset, "bytes": None}
-            )
-        if method == "PUT":
-            key = path.split("/")[3]
-            offset, total = int(request.url.params["offset"]), int(request.url.params["total"])
-            data = request.read()
-            staged = self.staged.setdefault(key, bytearray())
-            if offset != len(staged):
-                return httpx.Response(409, json={"error": "upload_offset", "offset": len(staged)})
-            if fault == "drop":  # half the part arrives, then the connection breaks
-                staged += data[: len(data) // 2]
-                raise httpx.RemoteProtocolError("connection reset", request=request)
-            if fault == "timeout":
-                staged += data[: len(data) // 3]
-                return httpx.Response(408, json={"error": "request_timeout", "detail": "slow"})
-            staged += data
-            if len(staged) == total:
-                del self.staged[key]
-                if blake(bytes(staged)) != key:
-                    return httpx.Response(422, json={"error": "digest_mismatch", "detail": "x"})
-                self.complete[key] = bytes(staged)
-                return httpx.Response(201, json={"key": key, "complete": True, "offset": total})
-            return httpx.Response(201, json={"key": key, "complete": False, "offset": len(staged)})
-        if path.endswith("/deltas/inline"):
-            data = request.read()
-            if fault == "inline_408":
-                return httpx.Response(408, json={"error": "request_timeout", "detail": "slow"})
-            key = request.headers["x-content-digest"]
-            self.complete[key] = data
-            return self._accept(int(request.url.params["lease_id"]), key)
-        if path.endswith("/deltas"):
-            payload = json.loads(request.read())
-            return self._accept(payload["lease_id"], payload["blob"])
-        return httpx.Response(404, json={"error": "not_found", "detail": path})
-
-    def _accept(self, lease_id: int, key: str) -> httpx.Response:
-        if lease_id in self.deltas:
-            return httpx.Response(200, json={"accepted": True, "already": True})
-        if key not in self.complete:
-            return httpx.Response(404, json={"error": "unknown_blob", "detail": key})
-        self.deltas[lease_id] = key
-        return httpx.Response(200, json={"accepted": True, "already": False})
-
-
 def fake_client(fake: FakeCoordinator, part_bytes: int = 1000) -> CoordinatorClient:
     client = CoordinatorClient(
         "http://coordinator", "tok", part_bytes=part_bytes, sleep=lambda s: None
