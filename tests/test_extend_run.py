@@ -21,10 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_real_site_commands import checkout
-from test_workflow_e2e import REPO, workdir
 
 from crossfed.darl.ledger import COMMITTED_TABLE, EVENTS_TABLE
+from tests.helpers.workflow import REPO, checkout, workdir
 
 pytestmark = pytest.mark.slow
 USER_PATH = "/usr/bin:/bin"  # a login shell's PATH: no venv on it

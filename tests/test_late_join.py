@@ -10,7 +10,6 @@ open one, and no earlier round; every probe and plan of a closed round ends with
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 import time
@@ -27,37 +26,13 @@ from crossfed.darl.blockspace import BlockSpace
 from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import PROBE_COLUMNS
 from tests.conftest import LiveCoordinator, coordinator_keeping_every_model
+from tests.helpers.workflow import BIN, crossfed_cli, finish, snakemake, wait_for, workdir
 from tests.test_coordinator_http import delta_file, global_model, wait_round_closed
 from tests.test_security import cli_config
 from tests.test_site_views import close_round_one
-from tests.test_workflow_e2e import BIN, finish, snakemake, workdir
 
 LATE = 4  # the round the coordinator is at when snellius's workflow starts
 ROUNDS = LATE  # the run ends with the round snellius joins
-
-
-def crossfed(cwd: Path, token: str, *args: str) -> str:
-    """One `crossfed` command with ``token`` as CROSSFED_TOKEN, as a person runs it."""
-    env = {**os.environ, "CROSSFED_TOKEN": token}
-    done = subprocess.run(
-        [str(BIN / "crossfed"), *args], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
-
-
-def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
-    """Until ``predicate()`` holds; fails at once, with its output, if the workflow ended."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"the workflow ended waiting for {what}:\n" + proc.log_path.read_text()[-6000:]
-            )  # type: ignore[attr-defined]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 class Lumi:
@@ -124,8 +99,8 @@ def test_a_late_site_skips_closed_rounds_and_trains_the_open_one(
     tokens = live.secrets
     cwd = site_workdir(tmp_path / "snellius", live)
     # the operator creates the run from the same config; snellius's data are prepared
-    crossfed(cwd, tokens["admin"], "data", "prepare", "--config", "config/config.yaml")
-    crossfed(cwd, tokens["admin"], "run", "init", "--config", "config/config.yaml")
+    crossfed_cli(cwd, "data", "prepare", "--config", "config/config.yaml", token=tokens["admin"])
+    crossfed_cli(cwd, "run", "init", "--config", "config/config.yaml", token=tokens["admin"])
     meta = json.loads((cwd / "results" / "data" / "meta.json").read_text())
     assert live.client().status()["digest"] == BlockSpace(meta["n_windows"], 4, 1234).digest()
 
@@ -150,14 +125,14 @@ def test_a_late_site_skips_closed_rounds_and_trains_the_open_one(
         return (results / "rounds" / str(LATE) / "train" / "snellius.json").exists()
 
     try:
-        wait_for(snellius_trains, 600, f"snellius's round-{LATE} record", proc)
+        wait_for(snellius_trains, 600, f"snellius's round-{LATE} record", [proc])
         assert live.client().round_info(LATE)["status"] == "open"  # lumi held it open
     finally:
         assert lumi.beating is not None
         lumi.beating.set()
         beats.join(timeout=10)
     lumi.deliver(LATE, held)
-    finish(proc, cwd)
+    finish(proc)
     if leased_at:  # the catch-up's length, for the eye (bench/multisite.py measures it)
         print(f"late join: snellius leased round {LATE} {leased_at[0] - started:.1f} s after "
               f"its workflow started, rounds 1-{LATE - 1} closed")  # fmt: skip

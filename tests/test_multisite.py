@@ -31,6 +31,7 @@ cpu``; the clusters' GPUs are gres files), and ``min_step_s`` paces the simulate
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import json
 import os
@@ -41,7 +42,7 @@ import sqlite3
 import subprocess
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -50,22 +51,27 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from slurm_cluster import PartitionSpec, SlurmTestCluster, SlurmUnavailable, skip_or_fail
-from test_real_site_commands import (
-    BARE_PATH,
-    VENV,
-    bash,
-    bash_blocks,
-    checkout,
-    command,
-    commands,
-    edit_yaml,
-    stand_in_image,
-)
-from test_slurm_workflow import catches_sigint, sigint_default, submitting
 
 from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.coordinator.embedded import free_port
 from crossfed.darl.ledger import COMMITTED_TABLE
+from tests.helpers import workflow
+from tests.helpers.workflow import (
+    BARE_PATH,
+    VENV,
+    background,
+    bash,
+    bash_blocks,
+    catches_sigint,
+    checkout,
+    command,
+    commands,
+    edit_yaml,
+    output_of,
+    small_run,
+    stand_in_image,
+    submitting,
+)
 
 pytestmark = [
     pytest.mark.slurm,
@@ -75,6 +81,8 @@ pytestmark = [
         reason="10-20 minutes, over CI's budget: run bench/multisite.py (CROSSFED_MULTISITE=1)",
     ),
 ]
+#: waits here poll the test clusters' queues and the coordinator: twice a second
+wait_for = functools.partial(workflow.wait_for, poll_s=0.5)
 ROUNDS = 12
 SITES = ("lumi", "snellius")
 # per site: its cluster's training and evaluation partitions (one node each, one fake GPU)
@@ -227,12 +235,7 @@ def run_edits(root: Path, account: str) -> None:
         s["sites"] = run_sites
 
     def run(c: dict) -> None:
-        c.update(rounds=ROUNDS)
-        c["data"].update(vocab_size=512, seq_len=32, block_size=4)
-        c["inner"].update(steps=4, warmup_steps=1)
-        c["eval"].update(max_windows=32)
-        c["round_policy"].update(join_window_s=2)
-        c["darl"].update(min_ttl_s=4, initial_ttl_s=8, heartbeat_s=0.5)
+        small_run(c, ROUNDS, steps=4, warmup_steps=1, max_windows=32, join_window_s=2)
 
     edit_yaml(root / "profiles" / "slurm" / "sites.yaml", sites)
     edit_yaml(root / "config" / "config.yaml", run)
@@ -267,33 +270,8 @@ class Site:
     def start(self) -> subprocess.Popen:
         """The README's `snakemake --profile <site>` in the background, Ctrl-C-able."""
         self.runs += 1
-        out = self.root / f"snakemake-{self.runs}.out"
-        with sigint_default():
-            proc = subprocess.Popen(
-                ["/bin/bash", "-c", f"{self.export} && {self.run_line}"], cwd=self.root,
-                env=self.env, stdout=open(out, "wb"), stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        proc.log_path = out  # type: ignore[attr-defined]
-        return proc
-
-
-def output(proc: subprocess.Popen) -> str:
-    return proc.log_path.read_text()  # type: ignore[attr-defined]
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, procs=()) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        for proc in procs:
-            if proc.poll() is not None:
-                tail = output(proc)[-6000:]
-                raise AssertionError(f"a workflow ended waiting for {what}:\n{tail}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+        return background(["/bin/bash", "-c", f"{self.export} && {self.run_line}"], self.root,
+                          self.env, self.root / f"snakemake-{self.runs}.out")  # fmt: skip
 
 
 def stop(proc: subprocess.Popen | None) -> None:
@@ -468,7 +446,7 @@ def run_sites(tmp_path, vm, vm_env, init, url, secrets, clusters, admin, procs, 
     assert catches_sigint(snakemake_pid(procs["snellius"]))
     interrupted_in = admin.status()["round"]
     os.killpg(procs["snellius"].pid, signal.SIGINT)
-    assert procs["snellius"].wait(timeout=180) != 0, output(procs["snellius"])[-4000:]
+    assert procs["snellius"].wait(timeout=180) != 0, output_of(procs["snellius"])[-4000:]
     wait_for(lambda: not queued(snellius.cluster), 60, "snellius's jobs cancelled")
     alone = wait_for(lambda: closed(admin, interrupted_in + 1), 600, "a round without snellius",
                      [procs["lumi"]])  # fmt: skip
@@ -478,7 +456,7 @@ def run_sites(tmp_path, vm, vm_env, init, url, secrets, clusters, admin, procs, 
     procs["snellius"] = snellius.start()
     timings["snellius_resumed_s"] = time.monotonic() - t0
     for name in SITES:
-        assert procs[name].wait(timeout=1200) == 0, output(procs[name])[-8000:]
+        assert procs[name].wait(timeout=1200) == 0, output_of(procs[name])[-8000:]
     timings["finished_s"] = time.monotonic() - t0
 
     check_run(admin, vm, lumi, snellius, back, interrupted_in)

@@ -21,8 +21,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,66 +28,28 @@ import yaml
 from slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
 
 from crossfed.coordinator.embedded import free_port
+from tests.helpers.workflow import (
+    BARE_PATH,
+    VENV,
+    background,
+    bash,
+    bash_blocks,
+    checkout,
+    command,
+    commands,
+    edit_yaml,
+    output_of,
+    small_run,
+    stand_in_image,
+    wait_for,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-VENV = Path(sys.executable).parent.parent
-STANDINS = REPO / "tests" / "standins"
-BARE_PATH = f"{STANDINS}:/usr/bin:/bin"
 CONFIG = Path("results/.crossfed/config.yaml")
-
-
-def bash_blocks(heading: str) -> list[str]:
-    """The ```bash blocks of the README section that starts at ``heading``."""
-    text = (REPO / "README.md").read_text()
-    start = text.index(f"\n{heading}\n")
-    end = text.find("\n### ", start + 1)
-    section = text[start : end if end != -1 else len(text)]
-    return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-
-
-def commands(block: str, prefix: str) -> list[str]:
-    """The lines of ``block`` that start with ``prefix``, as written (comments and all)."""
-    return [line for line in block.splitlines() if line.startswith(prefix)]
-
-
-def command(block: str, words: str) -> str:
-    """The one line of ``block`` that is exactly ``words`` plus, maybe, a comment."""
-    (line,) = [
-        line for line in block.splitlines() if re.fullmatch(rf"{re.escape(words)}\s*(#.*)?", line)
-    ]
-    return line
 
 
 def plus(line: str, *args: str) -> str:
     """A README line with more arguments (before its comment)."""
     return " ".join([line.split("#")[0].strip(), *args])
-
-
-def checkout(dest: Path) -> Path:
-    """A clone-like copy of the working tree (tracked and untracked files, links kept)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"],
-        cwd=REPO, capture_output=True, check=True,
-    ).stdout.decode().split("\0")  # fmt: skip
-    for name in filter(None, listed):
-        if name == ".venv":  # a venv linked in (not a folder), which .gitignore's `.venv/` misses
-            continue
-        source, target = REPO / name, dest / name
-        if not source.exists() and not source.is_symlink():
-            continue  # deleted in the working tree
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_symlink():
-            target.symlink_to(os.readlink(source))
-        else:
-            shutil.copy2(source, target)
-    (dest / ".venv").symlink_to(VENV)
-    return dest
-
-
-def edit_yaml(path: Path, change) -> None:
-    data = yaml.safe_load(path.read_text())
-    change(data)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def user_edits(site: Path, cluster: SlurmTestCluster, url: str, image: Path) -> None:
@@ -123,40 +83,12 @@ def user_edits(site: Path, cluster: SlurmTestCluster, url: str, image: Path) -> 
         s["sites"] = {"lumi": lumi}
 
     def run(c: dict) -> None:
-        c.update(rounds=2)
-        c["data"].update(vocab_size=512, seq_len=32, block_size=4)
-        c["inner"].update(steps=4, warmup_steps=1)
-        c["eval"].update(max_windows=32)
-        c["round_policy"].update(join_window_s=2)
-        c["darl"].update(min_ttl_s=4, initial_ttl_s=8, heartbeat_s=0.5)
+        small_run(c, 2, steps=4, warmup_steps=1, max_windows=32, join_window_s=2)
 
     edit_yaml(site / "profiles" / "lumi" / "config.yaml", profile)
     edit_yaml(site / "profiles" / "lumi" / "crossfed.yaml", overlay)
     edit_yaml(site / "profiles" / "slurm" / "sites.yaml", sites)
     edit_yaml(site / "config" / "config.yaml", run)
-
-
-def stand_in_image(path: Path) -> Path:
-    """The stand-in's "image": bin/crossfed records its arguments and runs crossfed."""
-    (path / "bin").mkdir(parents=True)
-    script = path / "bin" / "crossfed"
-    script.write_text(
-        "#!/bin/sh\n"
-        f'echo "$*" >> {path}/calls.log\n'
-        f'exec {VENV / "bin" / "python"} -m crossfed "$@"\n'
-    )
-    script.chmod(0o755)
-    return path
-
-
-def bash(line: str, cwd: Path, env: dict[str, str], timeout_s: float = 900) -> str:
-    """Run one README line with bash, as a user types it; its output (it must succeed)."""
-    done = subprocess.run(
-        ["/bin/bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=timeout_s,
-    )  # fmt: skip
-    assert done.returncode == 0, f"{line}\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
-    return done.stdout + done.stderr
 
 
 def test_dry_runs_find_the_profile_and_write_nothing(tmp_path: Path) -> None:
@@ -252,19 +184,18 @@ def run_site(site, vm, cluster, tmp_path, url, init, secrets, vm_env, image) -> 
 
     # 3. each site: the dry run, then the run itself, both as written
     bash(f"{token} && {dry}", site, site_env)
-    proc = subprocess.Popen(
-        ["/bin/bash", "-c", f"{token} && {run}"], cwd=site, env=site_env,
-        stdout=open(tmp_path / "site.out", "wb"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = background(["/bin/bash", "-c", f"{token} && {run}"], site, site_env,
+                      tmp_path / "site.out")  # fmt: skip
     try:
-        written = wait_for_config(site / CONFIG, proc)
+        # the modification time of the effective config once the run's onstart wrote it
+        written = wait_for(lambda: (site / CONFIG).exists() and (site / CONFIG).stat().st_mtime_ns,
+                           300, f"{site / CONFIG}", [proc])  # fmt: skip
         rc = proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # only on a failure above: leave no workflow
             proc.wait(timeout=120)
-    out = (tmp_path / "site.out").read_text()
+    out = output_of(proc)
     assert rc == 0, out[-8000:]
     final = json.loads((site / "results" / "metrics" / "final.json").read_text())
     assert final["rounds"] == 2
@@ -287,15 +218,3 @@ def run_site(site, vm, cluster, tmp_path, url, init, secrets, vm_env, image) -> 
     assert (site / CONFIG).read_bytes() == before
     assert (site / CONFIG).stat().st_mtime_ns == written
     assert yaml.safe_load(before)["rounds"] == 2
-
-
-def wait_for_config(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> int:
-    """The modification time of the effective config once the run's onstart wrote it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path.stat().st_mtime_ns
-        if proc.poll() is not None:
-            raise AssertionError("the workflow ended before writing its config")
-        time.sleep(0.2)
-    raise AssertionError(f"no {path} after {timeout_s} s")

@@ -11,7 +11,6 @@ import base64
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import matplotlib.image
@@ -19,8 +18,8 @@ import pandas as pd
 import pytest
 
 from crossfed.report import ROUND_PARTS, no_probes_reason, probe_history, round_phases
+from tests.helpers.workflow import crossfed_cli, finish, snakemake, workdir
 from tests.test_status_page import ARTIFACTS, chromium
-from tests.test_workflow_e2e import BIN, finish, snakemake, workdir
 
 pytestmark = pytest.mark.slow
 TABLES = {
@@ -36,14 +35,12 @@ TABLES = {
 def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A finished two-round run and what its terminal showed."""
     cwd = workdir(tmp_path_factory.mktemp("report-run"), rounds=2)
-    return cwd, finish(snakemake(cwd), cwd)
+    return cwd, finish(snakemake(cwd))
 
 
 def crossfed(cwd: Path, *argv: str) -> str:
-    done = subprocess.run(
-        [str(BIN / "crossfed"), *argv], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    """What `crossfed` printed (it must succeed), both streams, as a terminal shows them."""
+    done = crossfed_cli(cwd, *argv)
     return done.stdout + done.stderr
 
 
@@ -112,7 +109,7 @@ def test_the_report_page_shows_tables_and_named_figures_in_chromium(
 ) -> None:
     cwd, _ = finished
     results = cwd / "results"
-    finish(snakemake(cwd, "--report", "report.html", name="report"), cwd)
+    finish(snakemake(cwd, "--report", "report.html", name="report"))
     html = (cwd / "report.html").read_text()
     files = embedded(html)
     assert set(TABLES) <= set(files), sorted(files)

@@ -16,7 +16,7 @@ which the chains' next jobs train without touching anything of the finished roun
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -27,38 +27,43 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pandas as pd
-import psutil
 import pytest
 import yaml
 from slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
 
-from crossfed.darl.ledger import COMMITTED_TABLE, EVENTS_TABLE
+from crossfed.darl.ledger import EVENTS_TABLE
 from crossfed.report import probe_history
 from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import read_probes
 from crossfed.sched.sacct import parse_sacct
+from tests.helpers import workflow
+from tests.helpers.workflow import (
+    BIN,
+    REPO,
+    background,
+    catches_sigint,
+    check_ledger,
+    finish,
+    output_of,
+    small_run,
+    submitting,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 ROUNDS = 8  # more rounds than one 2-minute lumi job can train, however fast the machine
 TERMINAL = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+#: waits here poll the test cluster's queue: twice a second
+wait_for = functools.partial(workflow.wait_for, poll_s=0.5)
 
 
 def workdir(tmp_path: Path, cluster: SlurmTestCluster) -> Path:
     """Config, sites and a profile derived from profiles/slurm for the test cluster."""
     (tmp_path / "config").mkdir()
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config.update(rounds=ROUNDS)
-    config["data"].update(vocab_size=512, seq_len=32, block_size=4)
-    config["inner"].update(steps=6, warmup_steps=2)
-    config["eval"].update(max_windows=32)
-    config["round_policy"].update(join_window_s=2)
-    config["darl"].update(min_ttl_s=4, initial_ttl_s=8, heartbeat_s=0.5)
+    small_run(config, ROUNDS, max_windows=32, join_window_s=2)
     # jobs here spend ~30 s starting (two Snakemake parses, torch import) on two cores
     config["chain"] = {"margin_s": 15, "round_prior_s": 10}
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
@@ -119,79 +124,15 @@ def shape(name: str, partition: str, walltime: str) -> dict:
 def snakemake(
     cwd: Path, cluster: SlurmTestCluster, *extra: str, name: str = "snakemake"
 ) -> subprocess.Popen:
+    """The workflow on the test cluster's profile (``cwd/profile``), Ctrl-C-able."""
     env = {**cluster.env, "PATH": f"{BIN}:{cluster.env['PATH']}", "PYTHONUNBUFFERED": "1"}
     cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile", "profile", *extra]
-    log = open(cwd / f"{name}.out", "wb")
-    with sigint_default():
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    proc.log_path = cwd / f"{name}.out"  # type: ignore[attr-defined]
-    return proc
-
-
-@contextlib.contextmanager
-def sigint_default() -> Iterator[None]:
-    """Children started inside begin with SIGINT at its default, as under a terminal.
-
-    A shell script that starts a command in the background (``pytest ... &``, as CI runners
-    and batch scripts do) sets SIGINT to ignored; exec keeps an ignored signal ignored, and
-    Python then installs no KeyboardInterrupt handler. Snakemake would sleep through the
-    test's Ctrl-C, finish the run and exit 0. Exec resets a caught signal to its default, so
-    the test process catches SIGINT while it starts the child.
-    """
-    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    if ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def catches_sigint(pid: int) -> bool:
-    """The process has a SIGINT handler installed (SigCgt in /proc/<pid>/status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
-    return False
-
-
-def submitting(pid: int) -> bool:
-    """An ``sbatch`` that enqueues a job (not a ``--test-only`` probe) runs under ``pid``."""
-    for child in psutil.Process(pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            cmd = " ".join(child.cmdline())
-            if "sbatch" in cmd and "--test-only" not in cmd:
-                return True
-    return False
+    return background(cmd, cwd, env, cwd / f"{name}.out")
 
 
 def merged_rounds(results: Path) -> list[int]:
     """The rounds whose merge record the workflow has written."""
     return [r for r in range(1, ROUNDS + 1) if (results / f"rounds/{r}/merge.json").exists()]
-
-
-def output_of(proc: subprocess.Popen) -> str:
-    return proc.log_path.read_text()  # type: ignore[attr-defined]
-
-
-def finish(proc: subprocess.Popen, timeout_s: float = 900) -> str:
-    rc = proc.wait(timeout=timeout_s)
-    assert rc == 0, output_of(proc)[-8000:]
-    return output_of(proc)
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, proc=None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"workflow ended while waiting for {what}:\n{output_of(proc)}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def queued(cluster: SlurmTestCluster) -> list[dict[str, str]]:
@@ -252,17 +193,6 @@ def dry_run_outputs(text: str) -> list[str]:
             for f in line.split(", ")]  # fmt: skip
 
 
-def check_ledger(results: Path) -> pd.DataFrame:
-    ledger = pd.read_csv(results / "ledger.csv")
-    per_site, total = ledger[ledger["site"] != "total"], ledger[ledger["site"] == "total"].iloc[0]
-    for column in ("grants", "blocks_granted", "blocks_committed", "blocks_lost", "ttl_expiries"):
-        assert per_site[column].sum() == total[column], column
-    with sqlite3.connect(results / "coordinator" / "state.sqlite") as conn:
-        rows = conn.execute(f"SELECT epoch, block FROM {COMMITTED_TABLE}").fetchall()
-    assert len(rows) == len(set(rows)) == total["blocks_committed"] > 0
-    return ledger.set_index("site")
-
-
 def test_two_slurm_sites_chain_jobs_survive_scancel_and_resume(
     tmp_path: Path,
     slurm_cluster: SlurmTestCluster,  # noqa: F811
@@ -276,7 +206,7 @@ def test_two_slurm_sites_chain_jobs_survive_scancel_and_resume(
     # 1. a snellius job is cancelled by Slurm in the middle of a round
     run = snakemake(cwd, cluster)
     log = results / "logs" / "train" / "snellius-job1.log"
-    wait_for(lambda: mid_round(log), 600, "snellius training in round 2+", run)
+    wait_for(lambda: mid_round(log), 600, "snellius training in round 2+", [run])
     victims = [j for j in queued(cluster) if "rule_train_job_wildcards_snellius" in j["comment"]]
     assert len(victims) == 1, queued(cluster)
     cluster.run("scancel", victims[0]["id"])
@@ -301,7 +231,7 @@ def test_two_slurm_sites_chain_jobs_survive_scancel_and_resume(
             and not submitting(run.pid)
         )
 
-    wait_for(ready_to_interrupt, 900, "round 3 and lumi job 2 submitted", run)
+    wait_for(ready_to_interrupt, 900, "round 3 and lumi job 2 submitted", [run])
     timings["to_interrupt_s"] = time.monotonic() - t0
     # a Snakemake that ignores SIGINT would finish the run and exit 0 (see sigint_default)
     assert catches_sigint(run.pid), "Snakemake does not catch SIGINT: a Ctrl-C cannot stop it"
@@ -342,7 +272,7 @@ def test_two_slurm_sites_chain_jobs_survive_scancel_and_resume(
 
     # the ledger is exact: per-site sums equal the total, no block committed twice, and the
     # cancelled job cost its in-flight lease (returned to the pool when its TTL ran out)
-    ledger = check_ledger(results)
+    ledger = check_ledger(results).set_index("site")
     snellius_row = ledger.loc["snellius"]
     assert snellius_row["ttl_expiries"] >= 1 and snellius_row["blocks_lost"] >= 1
     assert (ledger.loc[["lumi", "snellius"], "blocks_committed"] > 0).all()
