@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from crossfed.compress import BLOCK, BLOCK_INT4, open_delta, save_delta
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.outer import OuterConfig, outer_step
 from crossfed.train.inner import (
@@ -53,6 +52,7 @@ from crossfed.train.model import build_model, load_parameters, parameters_of
 from crossfed.train.prepare import prepare
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
+from crossfed.wire.codecs import BLOCK, BLOCK_INT4, open_delta, save_delta
 
 CODECS = ("none", "int8", "int4")
 #: the quality runs: name -> (codec, error feedback)

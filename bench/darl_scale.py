@@ -36,7 +36,7 @@ from load import bench_spec, run_load, start_run, zero_delta  # noqa: E402
 
 from crossfed.coordinator.service import Coordinator  # noqa: E402
 from crossfed.darl.blockspace import BlockSpace  # noqa: E402
-from crossfed.transport import sha256_file  # noqa: E402
+from crossfed.wire.digests import sha256_file  # noqa: E402
 
 SMALL, LARGE = 10**3, 10**7
 BLOCKS_PER_LEASE = 4

@@ -33,7 +33,7 @@ from crossfed.coordinator.client import CoordinatorClient
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.darl.blockspace import BlockSpace
-from crossfed.transport import sha256_file
+from crossfed.wire.digests import sha256_file
 
 HOST = "127.0.0.1"
 

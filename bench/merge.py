@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 
 from crossfed.coordinator.generations import MOMENTUM, merge_step, write_generation
+from crossfed.fileio import fsync_dir
 from crossfed.outer import OuterConfig, warm_up
-from crossfed.transport import TensorSpec, fsync_dir, save_stream
+from crossfed.wire.tensors import TensorSpec, save_stream
 
 VOCAB, HEAD_DIM = 151936, 128
 # Qwen3 dense flavours: hidden, layers, query heads, key-value heads, SwiGLU width, tied

@@ -56,7 +56,7 @@ from crossfed.train.model import build_model, load_parameters, parameters_of
 from crossfed.train.prepare import prepare
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
-from crossfed.transport import delta_of
+from crossfed.wire.deltas import delta_of
 
 PAPER_RATIO = 34.7 / 28.2
 VARIANTS = ("centralised", "diloco", "fedavg", "solo")

@@ -50,12 +50,9 @@ from merge import scaled_layout  # noqa: E402  (sibling benchmark: the Qwen3-0.6
 
 from crossfed.coordinator.client import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port  # noqa: E402
-from crossfed.transport import (  # noqa: E402
-    TensorSpec,
-    iter_chunks,
-    keep_stream_buffers_in_heap,
-    save_stream,
-)
+from crossfed.wire.digests import iter_chunks  # noqa: E402
+from crossfed.wire.libc import keep_stream_buffers_in_heap  # noqa: E402
+from crossfed.wire.tensors import TensorSpec, save_stream  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

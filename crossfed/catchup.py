@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -25,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from crossfed.fileio import write_atomic
 from crossfed.sched.columns import PROBE_COLUMNS
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,6 @@ def closed_plan(round_no: int, current: int, rounds: int, now: datetime) -> dict
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _read_config(path: str) -> dict[str, Any]:
     """The workflow's effective config (results/.crossfed/config.yaml, validated already)."""
     data = yaml.safe_load(Path(path).read_text())
@@ -113,10 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     if args.what == "plan":
         plan = closed_plan(args.round, current, int(config["rounds"]), datetime.now(UTC))
-        _write_atomic(out, json.dumps(plan, indent=2) + "\n")
+        write_atomic(out, json.dumps(plan, indent=2) + "\n")
         print(plan["detail"])
     else:
-        _write_atomic(out, ",".join(PROBE_COLUMNS) + "\n")
+        write_atomic(out, ",".join(PROBE_COLUMNS) + "\n")
         print(f"{closed_detail(args.round, current)}: not probed")
     return 0
 

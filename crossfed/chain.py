@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from crossfed.fileio import write_atomic
+
 #: statuses of run_round after which the site's part of that round is over
 _TRAINED = "accepted"
 _UNSET_TIMES = {"", "N/A", "NONE", "UNKNOWN", "UNLIMITED", "INVALID"}
@@ -557,10 +559,7 @@ def chain_job(
         if alloc is not None:
             outcome.extra["slurm_job_id"] = alloc.job_id
         path = Path(round_out.format(round=outcome.round, site=site))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(asdict(outcome), indent=2, default=str) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(asdict(outcome), indent=2, default=str) + "\n")
         log(
             f"[{site} r{outcome.round}] {outcome.status} in {seconds:.1f}s: {outcome.tokens} "
             f"tokens, loss {outcome.loss_mean} {outcome.detail}"

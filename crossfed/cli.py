@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from crossfed.config import ConfigError, load_run_config, load_sites
+from crossfed.fileio import write_atomic
 
 
 class _Tee(io.TextIOBase):
@@ -144,10 +145,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 def _write_json(path: str | None, data: Any) -> None:
     text = json.dumps(data, indent=2, default=str)
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(path).with_suffix(".tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, text + "\n")
     else:
         print(text)
 
@@ -158,7 +156,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
 
     from crossfed.coordinator.app import Tokens, create_app
     from crossfed.coordinator.service import Coordinator
-    from crossfed.transport import keep_stream_buffers_in_heap
+    from crossfed.wire.libc import keep_stream_buffers_in_heap
 
     keep_stream_buffers_in_heap()
     every = args.ledger_checkpoint_every
@@ -387,7 +385,7 @@ def cmd_site_run(args: argparse.Namespace) -> int:
         relaunch_under_torchrun,
         under_torchrun,
     )
-    from crossfed.transport import keep_stream_buffers_in_heap
+    from crossfed.wire.libc import keep_stream_buffers_in_heap
 
     keep_stream_buffers_in_heap()
     torch.set_num_threads(args.threads)

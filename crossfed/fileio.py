@@ -1,174 +1,119 @@
-"""Weight files as bytes, without torch: digests, chunked reads, write-back and fsync.
+"""Files on disk, without torch: atomic writes, durable renames, the run folder's kept models.
 
-What the coordinator client and the blob store need to move and check files; the tensor
-side (safetensors layout, deltas) is :mod:`crossfed.transport`, which re-exports these. A
-job that only downloads a file (the workflow's merge job) imports this, not torch.
+Every file crossfed writes whole appears atomically, one way: a temp file beside the target
+with a unique hidden name (``.<name>.<random>.tmp``; the coordinator's retention removes
+those a killed write leaves among its models), written, flushed and fsynced, renamed over
+the target, and the folder fsynced so the rename survives a crash. :func:`write_atomic`
+does it for bytes or text in memory, :func:`atomic_file` for a file written as a stream;
+writers that fill a temp file their own way (ranged downloads, blob uploads, several files
+put in place together) take its name from :func:`temp_beside` or
+:func:`create_temp_beside` and finish with :func:`replace_durably`.
 
-Digests name their algorithm: ``"blake3:<64 hex>"`` (the default: several times faster than
-SHA-256 on one core) or ``"sha256:<64 hex>"``.
+The wire format (safetensors streaming, digests, delta codecs) is :mod:`crossfed.wire`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import hashlib
+import contextlib
+import errno
 import os
-import re
-import sys
-from collections.abc import Callable, Iterable
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import BinaryIO
 
-import blake3
-
-#: default inline/blob threshold: the paper's 2 GiB message cap
+#: default inline/blob threshold: the paper's 2 GiB message cap (``transport.inline_max_bytes``)
 INLINE_MAX_BYTES = 2 * 1024**3
-#: bytes per read/write/hash call when streaming files
-CHUNK = 4 << 20
-#: bytes per upload request or download range: one short HTTP request's worth
-PART_BYTES = 64 << 20
-#: digest algorithm for new files
-DEFAULT_ALGO = "blake3"
-ALGOS = ("blake3", "sha256")
-
-_DIGEST = re.compile(r"^(blake3|sha256):([0-9a-f]{64})$")
-_BARE_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
-class DigestError(ValueError):
-    """A digest string that is not ``<algorithm>:<64 lowercase hex>``."""
+def create_temp_beside(path: Path, suffix: str = ".tmp", mode: int = 0o666) -> tuple[int, Path]:
+    """Create an empty hidden temp file next to ``path`` with a name no other writer has
+    (``.<name>.<random><suffix>``, ``mode`` less the umask); returns its open fd and path."""
+    path = Path(path)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}{suffix}"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), tmp
+        except FileExistsError:
+            continue
 
 
-class Hasher(Protocol):
-    def update(self, data: Any, /) -> object: ...
-
-    def hexdigest(self) -> str: ...
-
-
-def new_hasher(algo: str) -> Hasher:
-    """A fresh hasher for ``algo`` (``blake3`` or ``sha256``)."""
-    if algo == "blake3":
-        return blake3.blake3()
-    if algo == "sha256":
-        return hashlib.sha256()
-    raise DigestError(f"unknown digest algorithm {algo!r}; expected one of {', '.join(ALGOS)}")
-
-
-def parse_digest(text: str) -> tuple[str, str]:
-    """``"blake3:<hex>"`` -> ``("blake3", hex)``; a bare 64-hex string is a legacy SHA-256."""
-    if not isinstance(text, str):
-        raise DigestError(f"a digest is a string, not {type(text).__name__}")
-    if _BARE_HEX.match(text):
-        return "sha256", text
-    match = _DIGEST.match(text)
-    if match is None:
-        raise DigestError(
-            f"digest must be 'blake3:<64 lowercase hex>' or 'sha256:<64 lowercase hex>', "
-            f"got {text[:80]!r}"
-        )
-    return match.group(1), match.group(2)
-
-
-def canonical_digest(text: str) -> str:
-    """The ``algo:hex`` spelling of a digest (legacy bare hex becomes ``sha256:hex``)."""
-    algo, hexdigest = parse_digest(text)
-    return f"{algo}:{hexdigest}"
-
-
-def digest_file(path: Path, algo: str = DEFAULT_ALGO) -> str:
-    """``algo:hex`` digest of a file, read in large chunks."""
-    hasher = new_hasher(algo)
-    with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(CHUNK)
-        view = memoryview(buffer)
-        while n := handle.readinto(buffer):
-            hasher.update(view[:n])
-    return f"{algo}:{hasher.hexdigest()}"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file (no algorithm prefix)."""
-    return parse_digest(digest_file(path, "sha256"))[1]
-
-
-def _libc_function(name: str) -> Any:
-    """A function of the C library (Linux only), or None where it does not exist."""
-    if not sys.platform.startswith("linux"):
-        return None
+@contextlib.contextmanager
+def temp_beside(path: Path) -> Iterator[Path]:
+    """The name of a fresh temp file next to ``path``, removed when the block ends unless it
+    was put in place (:func:`replace_durably`) by then."""
+    fd, tmp = create_temp_beside(path)
+    os.close(fd)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return getattr(libc, name)
-    except (OSError, AttributeError):
-        return None
-
-
-def _sync_file_range() -> Callable[..., int] | None:
-    fn = _libc_function("sync_file_range")
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-    return fn
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-#: allocations below this come from the heap, not a fresh mmap (which page-faults anew)
-HEAP_MAX_ALLOC = 64 << 20
-#: free memory kept at the top of the heap instead of being handed back and faulted in again
-HEAP_KEEP_FREE = 256 << 20
-
-
-def keep_stream_buffers_in_heap() -> bool:
-    """Have glibc serve the few-MiB buffers of a weight transfer from its heap.
-
-    By default each 4 MiB read buffer or received batch is a fresh ``mmap`` whose pages
-    fault in on first touch, and a freed heap top is trimmed and refaulted. Raising both
-    thresholds cut bench/transport.py's CPU per GB by about a tenth. Call it once at the
-    start of a process that moves weights (the coordinator, a site job). False where the
-    C library has no ``mallopt`` (not glibc)."""
-    mallopt = _libc_function("mallopt")
-    if mallopt is None:
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MAX_ALLOC)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP_FREE)
-    )
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-#: bytes written between two :func:`start_writeback` calls in :func:`save_stream`
-WRITEBACK_EVERY = 32 << 20
-
-
-def start_writeback(fd: int) -> None:
-    """Have the kernel start writing ``fd``'s dirty pages to disk now, without waiting
-    (Linux ``sync_file_range``), so the closing fsync finds little left to write and the disk
-    works while the network does. A no-op where that call does not exist."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
+    """Make a rename inside folder ``path`` durable (a no-op where folders cannot be opened
+    or the filesystem cannot sync one)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
 
-def iter_chunks(path: Path, start: int = 0, end: int | None = None) -> Iterable[bytes]:
-    """The bytes of ``path`` in ``[start, end)``, in ``CHUNK``-sized pieces."""
-    with open(path, "rb", buffering=0) as handle:
-        handle.seek(start)
-        left = (os.fstat(handle.fileno()).st_size if end is None else end) - start
-        while left > 0:
-            chunk = handle.read(min(CHUNK, left))
-            if not chunk:
-                return
-            left -= len(chunk)
-            yield chunk
+def replace_durably(tmp: Path, path: Path, *, fsync: bool = True) -> None:
+    """Put the finished (and, by its writer, fsynced) ``tmp`` in place as ``path``: rename,
+    then fsync the folder."""
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(Path(path).parent)
+
+
+@contextlib.contextmanager
+def atomic_file(
+    path: Path, *, fsync: bool = True, mode: int = 0o666, buffering: int = -1
+) -> Iterator[BinaryIO]:
+    """A binary file handle on a temp file beside ``path``; when the block ends normally it
+    is flushed, fsynced and renamed into place (and the folder fsynced). An exception leaves
+    ``path`` as it was and no temp file behind. ``fsync=False`` skips both fsyncs (the file
+    is still whole or absent for readers, but may not survive a machine crash)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = create_temp_beside(path, mode=mode)
+    try:
+        with os.fdopen(fd, "wb", buffering=buffering) as handle:
+            yield handle
+            handle.flush()
+            if fsync:
+                os.fsync(handle.fileno())
+        replace_durably(tmp, path, fsync=fsync)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(
+    path: Path | str, data: str | bytes, *, fsync: bool = True, mode: int = 0o666
+) -> Path:
+    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically: readers see the old
+    file or the new one, never a part. Returns ``path`` as a :class:`~pathlib.Path`."""
+    path = Path(path)
+    if isinstance(data, str):
+        raw: bytes | bytearray | memoryview = data.encode()
+    elif isinstance(data, bytes | bytearray | memoryview):
+        raw = data
+    else:
+        raise TypeError(f"write_atomic writes str or bytes, not {type(data).__name__}")
+    with atomic_file(path, fsync=fsync, mode=mode, buffering=0) as handle:
+        view = memoryview(raw)
+        while view:
+            view = view[handle.write(view) :]
+    return path
 
 
 def kept_model_path(results: Path, generation: int) -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from crossfed.darl.ledger import TABLE3_COLUMNS  # noqa: E402
+from crossfed.fileio import write_atomic  # noqa: E402
 from crossfed.train.barrier import idle_shares  # noqa: E402
 
 
@@ -446,7 +446,5 @@ def write_report(
         "blocks_committed": int(ledger[ledger["site"] == "total"]["blocks_committed"].iloc[0]),
         "blocks_lost": int(ledger[ledger["site"] == "total"]["blocks_lost"].iloc[0]),
     }
-    tmp = metrics / "final.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, metrics / "final.json")
+    write_atomic(metrics / "final.json", json.dumps(summary, indent=2) + "\n")
     return summary

@@ -16,7 +16,6 @@ import pytest
 import torch
 import yaml
 
-from crossfed.compress import save_delta
 from crossfed.coordinator.client import CoordinatorClient
 from crossfed.coordinator.embedded import (
     EndpointError,
@@ -31,6 +30,7 @@ from crossfed.coordinator.service import Coordinator
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.train.prepare import prepare
 from crossfed.train.windows import read_meta
+from crossfed.wire.codecs import save_delta
 
 REPO = Path(__file__).resolve().parent.parent
 SITES = ["snellius", "lumi", "frontier"]

@@ -18,7 +18,7 @@ from crossfed.coordinator.client import Refused
 from crossfed.coordinator.embedded import wait_until_serving
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.train.windows import read_meta
-from crossfed.transport import digest_file
+from crossfed.wire.digests import digest_file
 from tests.conftest import LiveCoordinator
 from tests.test_coordinator_http import delta_file, global_model, join_and_lease, submit
 from tests.test_fuzz import run_state

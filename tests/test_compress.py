@@ -11,7 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from crossfed.compress import (
+from crossfed.coordinator.client import Refused
+from crossfed.coordinator.service import Coordinator, CoordinatorError
+from crossfed.outer import outer_step, validate_delta
+from crossfed.wire.codecs import (
     BLOCK_INT4,
     BLOCK_KEY,
     CODEC_KEY,
@@ -26,10 +29,7 @@ from crossfed.compress import (
     quantize_int8,
     save_delta,
 )
-from crossfed.coordinator.client import Refused
-from crossfed.coordinator.service import Coordinator, CoordinatorError
-from crossfed.outer import outer_step, validate_delta
-from crossfed.transport import digest_file
+from crossfed.wire.digests import digest_file
 from tests.conftest import LiveCoordinator, chunked, digest_of, staged_delta, tiny_spec
 
 

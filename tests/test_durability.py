@@ -21,11 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crossfed.compress import open_delta
 from crossfed.coordinator.faults import ENV
 from crossfed.coordinator.service import Coordinator
 from crossfed.outer import OuterConfig, outer_step
-from crossfed.transport import StreamWriter, digest_file
+from crossfed.wire.codecs import open_delta
+from crossfed.wire.digests import digest_file
+from crossfed.wire.tensors import StreamWriter
 from tests.conftest import LiveCoordinator, staged_delta
 from tests.test_coordinator_http import (
     committed_rows,

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from crossfed import outer
-from crossfed.compress import open_delta, save_delta
 from crossfed.coordinator import generations
 from crossfed.coordinator.generations import (
     MOMENTUM,
@@ -28,14 +27,9 @@ from crossfed.coordinator.generations import (
 )
 from crossfed.coordinator.service import CoordinatorError
 from crossfed.outer import OuterConfig, StateError, outer_step, stream_outer_step
-from crossfed.transport import (
-    StreamWriter,
-    TensorFile,
-    TensorSpec,
-    digest_file,
-    save_tensors,
-    stream_writer,
-)
+from crossfed.wire.codecs import open_delta, save_delta
+from crossfed.wire.digests import digest_file
+from crossfed.wire.tensors import StreamWriter, TensorFile, TensorSpec, save_tensors, stream_writer
 from tests.conftest import digest_of, staged_delta
 from tests.test_outer import SHAPES  # the same tensor shapes as Eq. 1's pinned tests
 

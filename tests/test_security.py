@@ -20,7 +20,7 @@ from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.coordinator.embedded import ensure_secrets, free_port
 from crossfed.coordinator.service import Coordinator
 from crossfed.coordinator.status_page import session_value
-from crossfed.transport import digest_file
+from crossfed.wire.digests import digest_file
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec
 from tests.test_coordinator_http import delta_file, global_model, join_and_lease, submit
 

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from crossfed.cli import main
 from crossfed.train.export import ExportError, export_hf, hf_config
 from crossfed.train.model import build_model, parameters_of
-from crossfed.transport import save_atomic
+from crossfed.wire.tensors import save_atomic
 from tests.conftest import write_yaml
 
 transformers = pytest.importorskip("transformers")

@@ -28,18 +28,9 @@ from crossfed.coordinator.client import CoordinatorClient, IntegrityError, Refus
 from crossfed.coordinator.embedded import client_for, start_embedded, stop_embedded
 from crossfed.coordinator.ranged import RangeError, parse_range
 from crossfed.coordinator.service import Coordinator
-from crossfed.transport import (
-    DigestError,
-    TensorSpec,
-    canonical_digest,
-    delta_of,
-    digest_file,
-    open_tensors,
-    parse_digest,
-    save_delta,
-    save_stream,
-    save_tensors,
-)
+from crossfed.wire.deltas import delta_of, save_delta
+from crossfed.wire.digests import DigestError, canonical_digest, digest_file, parse_digest
+from crossfed.wire.tensors import TensorSpec, open_tensors, save_stream, save_tensors
 from tests.helpers.fake_coordinator import FakeCoordinator, blake
 
 MiB = 1 << 20
@@ -181,7 +172,7 @@ def test_a_blob_uploaded_in_parts_is_verified_and_renamed_into_place(tmp_path: P
 
 HEAP_PROBE = """
 import sys
-from crossfed.transport import keep_stream_buffers_in_heap
+from crossfed.wire.libc import keep_stream_buffers_in_heap
 if sys.argv[1] == "tuned":
     assert keep_stream_buffers_in_heap()
 buffer = bytes(16 << 20)  # a received batch's size

@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from crossfed.coordinator.faults import crash_point
-from crossfed.transport import (
+from crossfed.fileio import replace_durably
+from crossfed.wire.digests import (
     CHUNK,
     DigestError,
     Hasher,
     canonical_digest,
-    fsync_dir,
     new_hasher,
     parse_digest,
-    start_writeback,
 )
+from crossfed.wire.libc import start_writeback
 
 #: bytes handed to the worker thread at once
 BATCH = 8 << 20
@@ -265,8 +265,7 @@ class BlobStore:
             )
         target = self.path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(part, target)
-        fsync_dir(target.parent)
+        replace_durably(part, target)
         return {"key": key, "complete": True, "offset": done, "bytes": done}
 
     async def _match_existing(

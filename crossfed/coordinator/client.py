@@ -20,18 +20,18 @@ from typing import Any
 import httpcore
 import httpx
 
-from crossfed.fileio import (
+from crossfed.fileio import create_temp_beside, replace_durably
+from crossfed.wire.digests import (
     PART_BYTES,
     DigestError,
     Hasher,
     canonical_digest,
     digest_file,
-    fsync_dir,
     iter_chunks,
     new_hasher,
     parse_digest,
-    start_writeback,
 )
+from crossfed.wire.libc import start_writeback
 
 log = logging.getLogger("crossfed.client")
 #: bytes per socket read of a response body. httpcore reads 64 KiB at a time; at that size
@@ -294,9 +294,9 @@ class CoordinatorClient:
         if dest.exists():
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        fd, tmp = create_temp_beside(dest, suffix=".part", mode=0o644)
         progress = _Progress(self.retry_budget_s)
-        sink = _Sink(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        sink = _Sink(fd)
         try:
             size, digest = None, expected
             while size is None or sink.received < size:
@@ -342,8 +342,7 @@ class CoordinatorClient:
             tmp.unlink(missing_ok=True)
             raise
         sink.close()
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
+        replace_durably(tmp, dest)
         return dest
 
 

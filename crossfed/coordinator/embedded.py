@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import yaml
 
+from crossfed.fileio import write_atomic
+
 if TYPE_CHECKING:  # the client imports torch (weights on the wire): only clients need it
     from crossfed.coordinator.client import CoordinatorClient
 
@@ -39,11 +41,7 @@ def ensure_secrets(path: Path, sites: list[str]) -> dict[str, Any]:
         if site not in data["sites"]:
             data["sites"][site], changed = secrets.token_urlsafe(32), True
     if changed:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(yaml.safe_dump(data))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
+        write_atomic(path, yaml.safe_dump(data), mode=0o600)
     return data
 
 
@@ -78,7 +76,7 @@ def coordinator_url(config: dict[str, Any]) -> str:
 def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorClient:
     """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``."""
     from crossfed.coordinator.client import CoordinatorClient
-    from crossfed.fileio import PART_BYTES
+    from crossfed.wire.digests import PART_BYTES
 
     kwargs.setdefault("part_bytes", config.get("transport", {}).get("part_bytes", PART_BYTES))
     return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)

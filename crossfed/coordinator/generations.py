@@ -14,7 +14,7 @@ kernels and BLAKE3's ``update`` all release the GIL. The threads hand tensors ov
 :data:`SLOTS` buffer pairs, so at most that many tensors are between the read and the write,
 and an error in either thread is raised in the merge's thread.
 
-Files are read with ``pread`` (:class:`crossfed.transport.TensorFile`), never memory-mapped:
+Files are read with ``pread`` (:class:`crossfed.wire.tensors.TensorFile`), never memory-mapped:
 a merge's memory is what it allocates. Keys are found by name, so files written with any
 tensor order (older coordinators wrote all master tensors before all momentum ones) load alike.
 """
@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from crossfed.compress import decoded
 from crossfed.coordinator.faults import crash_point
 from crossfed.outer import (
     DELTA_DTYPES,
@@ -48,7 +47,8 @@ from crossfed.outer import (
     _names,
     stream_outer_step,
 )
-from crossfed.transport import TensorFile, TensorSpec, stream_writer
+from crossfed.wire.codecs import decoded
+from crossfed.wire.tensors import TensorFile, TensorSpec, stream_writer
 
 log = logging.getLogger(__name__)
 MOMENTUM = "momentum::"

@@ -17,7 +17,7 @@ from pathlib import Path
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from crossfed.transport import CHUNK
+from crossfed.wire.digests import CHUNK
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 

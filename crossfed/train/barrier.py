@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from crossfed.fileio import write_atomic
 
 LOG_COLUMNS = [
     "site",
@@ -207,13 +208,6 @@ def _configured(sites_yaml: Path) -> dict[str, int]:
     return {name: int(cfg.get("accumulation", 1)) for name, cfg in sites.items()}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m crossfed.train.barrier")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -235,14 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             plans = [p for p in plans if int(p.parent.name) < args.before]
             gpus = _shape_gpus(Path(args.sites) if args.sites else None, plans)
             frame = job_log(results, args.before, gpus)
-            _write_atomic(Path(args.out), frame.to_csv(index=False))
+            write_atomic(Path(args.out), frame.to_csv(index=False))
             print(f"job log: {len(frame)} measured site rounds before round {args.before}")
         else:
             plan = json.loads(Path(args.plan).read_text())
             log = pd.read_csv(args.job_log)
             plan = fill_plan(plan, log, _configured(Path(args.sites)))
             out = Path(args.out or args.plan)
-            _write_atomic(out, json.dumps(plan, indent=2, default=str) + "\n")
+            write_atomic(out, json.dumps(plan, indent=2, default=str) + "\n")
             barrier = plan["barrier"]
             shares = ", ".join(f"{s} {v:.0%}" for s, v in barrier["predicted_idle_share"].items())
             print(

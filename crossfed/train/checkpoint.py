@@ -10,7 +10,7 @@ at any instant leaves either the previous checkpoint or the new one, never a tor
 With error feedback the site also keeps a residual (the fp32 part of its last sent delta that
 quantisation dropped): ``residual.safetensors`` beside the checkpoints, tagged with the
 generation its delta started from. It is rank 0's whole-model state, written tensor by tensor
-as the delta is (:func:`crossfed.compress.save_delta`) and put in place (one rename) only
+as the delta is (:func:`crossfed.wire.codecs.save_delta`) and put in place (one rename) only
 once the coordinator has accepted that delta, so a killed job finds the residual that goes
 into the delta it is about to (re)send. See :func:`carried_residual` for which residual a
 delta carries.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -34,9 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from crossfed.fileio import replace_durably, write_atomic
 from crossfed.train.distributed import Ranks, barrier
 from crossfed.train.model import parameters_of
-from crossfed.transport import fsync_dir
 
 POINTER = "latest.json"
 CURSOR = "cursor.json"
@@ -52,13 +51,7 @@ class CheckpointError(RuntimeError):
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        json.dump(data, handle, indent=2)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_atomic(path, json.dumps(data, indent=2))
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -188,6 +181,5 @@ def commit_residual(state_dir: Path, candidate: Path | None) -> bool:
         return False
     target = Path(state_dir) / RESIDUAL
     target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(candidate, target)
-    fsync_dir(target.parent)
+    replace_durably(Path(candidate), target)
     return True

@@ -17,15 +17,12 @@ Python build yields the same bytes and the held-out tail is a mix of all sources
 from __future__ import annotations
 
 import ast
-import contextlib
 import gzip
 import hashlib
 import importlib
 import inspect
 import json
-import os
 import re
-import secrets
 import sysconfig
 import unicodedata
 import warnings
@@ -36,6 +33,8 @@ from itertools import islice
 from pathlib import Path
 from types import ModuleType
 from typing import IO
+
+from crossfed.fileio import atomic_file
 
 SHARD_PATTERNS = ("*.json.gz", "*.jsonl.gz", "*.jsonl", "*.json")
 EMBEDDED_TIMESTAMP = "2019-04-18T00:00:00Z"  # constant, so shard bytes never depend on a clock
@@ -118,52 +117,6 @@ class Document:
 
     url: str
     text: str
-
-
-# --------------------------------------------------------------------------- atomic output
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[IO[bytes]]:
-    """Open a temporary file beside ``path``; on success fsync it and rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = create_temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def create_temp_beside(path: Path) -> tuple[int, Path]:
-    """Create an empty hidden temp file next to ``path`` (mode 0666 less the umask)."""
-    while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename inside ``directory`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- normalisation

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from crossfed.train.model import build_model, load_parameters, model_config
-from crossfed.transport import save_atomic
+from crossfed.wire.tensors import save_atomic
 
 logger = logging.getLogger(__name__)
 

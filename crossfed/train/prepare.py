@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from crossfed.fileio import atomic_file
 from crossfed.train.corpus import (
     CorpusError,
-    atomic_file,
     iter_documents,
     resolve_inputs,
     write_embedded_corpus,

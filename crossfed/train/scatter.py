@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from crossfed.train.corpus import atomic_file, iter_documents
+from crossfed.fileio import atomic_file
+from crossfed.train.corpus import iter_documents
 from crossfed.train.prepare import (
     PrepareError,
     Request,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from crossfed.train.corpus import atomic_file
+from crossfed.fileio import atomic_file
 
 EOS_TOKEN = "<|endoftext|>"
 # Document separators of common tokenizer families, tried in this order by eos_id().

@@ -12,7 +12,6 @@ cuts them exactly as :func:`write_windows` cuts the whole stream (same bytes, sa
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -26,7 +25,7 @@ from typing import IO
 import numpy as np
 from tokenizers import Tokenizer
 
-from crossfed.train.corpus import atomic_file, create_temp_beside, fsync_dir
+from crossfed.fileio import atomic_file, replace_durably, temp_beside
 from crossfed.train.tokenizer import vocab_size as tokenizer_vocab_size
 
 FORMAT = "crossfed-windows-v1"
@@ -100,17 +99,6 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-@contextlib.contextmanager
-def _temp_beside(path: Path) -> Iterator[Path]:
-    fd, tmp = create_temp_beside(path)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
 def write_windows(
     docs: Iterable[str],
     tok: Tokenizer,
@@ -139,7 +127,7 @@ def write_windows(
 
     n_docs = n_tokens = n_total = 0
     carry = np.empty(0, dtype=np.int64)
-    with _temp_beside(train_path) as all_tmp, _temp_beside(val_path) as val_tmp:
+    with temp_beside(train_path) as all_tmp, temp_beside(val_path) as val_tmp:
         with open(all_tmp, "wb") as f:
             for count, ids in token_stream(docs, tok, eos, batch_chars):
                 if ids.size and int(ids.max()) >= vocab:
@@ -175,9 +163,8 @@ def write_windows(
             f.truncate(n_train * row)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(all_tmp, train_path)
-        os.replace(val_tmp, val_path)
-    fsync_dir(out_dir)
+        replace_durably(all_tmp, train_path)
+        replace_durably(val_tmp, val_path)
     return _store_meta(
         seq_len=seq_len,
         dtype_name=dtype_name,
@@ -250,7 +237,7 @@ def write_tokens(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n_docs = n_tokens = 0
-    with _temp_beside(path) as tmp:
+    with temp_beside(path) as tmp:
         with open(tmp, "wb") as f:
             for count, ids in token_stream(docs, tok, eos, batch_chars):
                 if ids.size and int(ids.max()) >= vocab:
@@ -262,8 +249,7 @@ def write_tokens(
                     progress(Progress(n_docs, n_tokens, 0))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    fsync_dir(path.parent)
+        replace_durably(tmp, path)
     return {
         "dtype": dtype_name,
         "vocab_size": vocab,
@@ -342,15 +328,14 @@ def windows_from_token_files(
     out_dir.mkdir(parents=True, exist_ok=True)
     train_path, val_path = out_dir / SPLIT_FILES["train"], out_dir / SPLIT_FILES["val"]
     row = window_len * itemsize
-    with _temp_beside(train_path) as train_tmp, _temp_beside(val_path) as val_tmp:
+    with temp_beside(train_path) as train_tmp, temp_beside(val_path) as val_tmp:
         with open(train_tmp, "wb") as t, open(val_tmp, "wb") as v:
             digests = _copy_into(_chunks(parts), [(t, n_train * row), (v, n_val * row)])
             for f in (t, v):
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(train_tmp, train_path)
-        os.replace(val_tmp, val_path)
-    fsync_dir(out_dir)
+        replace_durably(train_tmp, train_path)
+        replace_durably(val_tmp, val_path)
     return _store_meta(
         seq_len=seq_len,
         dtype_name=dtype_name,

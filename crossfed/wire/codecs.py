@@ -39,7 +39,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from crossfed.outer import DeltaError
-from crossfed.transport import TensorSpec, delta_tensor, save_stream, stream_writer
+from crossfed.wire.deltas import delta_tensor
+from crossfed.wire.tensors import TensorSpec, save_stream, stream_writer
 
 CODECS = ("none", "int8", "int4")
 CODEC_KEY = "crossfed.codec"
@@ -307,8 +308,9 @@ def save_delta(
     (None: zeros) added before it is encoded, and what the encoding loses (the fp32
     difference to the decoded values) is written to ``residual_out`` as it goes, with
     ``residual_metadata`` in its header. One tensor's delta exists at a time and both
-    ``global_params`` and ``residual_in`` may be lazy (:func:`crossfed.transport.open_tensors`),
-    so no second copy of the model is ever held. Tensor names come from ``global_params``.
+    ``global_params`` and ``residual_in`` may be lazy
+    (:func:`crossfed.wire.tensors.open_tensors`), so no second copy of the model is ever held.
+    Tensor names come from ``global_params``.
     """
     enc = encoder(codec, block)
     names = list(global_params.keys())

@@ -1,12 +1,14 @@
-"""Weights on the wire: bf16 safetensors files, streamed tensor by tensor and digested as written.
+"""Weights on the wire: safetensors files, streamed tensor by tensor and digested as written.
 
 A file is written once, in the safetensors layout (8-byte header length, JSON header, raw
 little-endian tensor bytes), one tensor at a time: the writer never holds a second copy of
 the model, and the digest that names the file on the wire is computed from the same bytes
-as they go to disk. Files appear atomically (temp file, fsync, rename, fsync of the folder).
+as they go to disk. Files appear atomically (:func:`crossfed.fileio.atomic_file`: temp
+file, fsync, rename, fsync of the folder). Files are read back lazily (:func:`open_tensors`)
+or with ``pread`` into tensors the reader owns (:class:`TensorFile`).
 
-Digests, chunked reads, write-back and fsync need no torch and live in
-:mod:`crossfed.fileio` (re-exported here); digests name their algorithm, ``"blake3:<hex>"``.
+Digests are :mod:`crossfed.wire.digests`, delta arithmetic :mod:`crossfed.wire.deltas`,
+codecs :mod:`crossfed.wire.codecs`.
 """
 
 from __future__ import annotations
@@ -24,28 +26,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-# the torch-free part, re-exported: its names have always been importable from here
-from crossfed.fileio import (  # noqa: F401
-    ALGOS,
-    CHUNK,
-    DEFAULT_ALGO,
-    HEAP_KEEP_FREE,
-    HEAP_MAX_ALLOC,
-    INLINE_MAX_BYTES,
-    PART_BYTES,
-    WRITEBACK_EVERY,
-    DigestError,
-    Hasher,
-    canonical_digest,
-    digest_file,
-    fsync_dir,
-    iter_chunks,
-    keep_stream_buffers_in_heap,
-    new_hasher,
-    parse_digest,
-    sha256_file,
-    start_writeback,
-)
+from crossfed.fileio import atomic_file
+from crossfed.wire.digests import CHUNK, DEFAULT_ALGO, Hasher, new_hasher
+from crossfed.wire.libc import WRITEBACK_EVERY, start_writeback
 
 #: torch dtype -> safetensors dtype name
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -224,23 +207,13 @@ def stream_writer(
     """A safetensors file written atomically: the header now, each tensor by
     :meth:`StreamWriter.write`, and the file in place (fsync, rename, fsync of the folder)
     when the block ends with every tensor written. An exception leaves no file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     hasher = new_hasher(algo) if algo else None
-    try:
-        with open(tmp, "wb", buffering=0) as handle:
-            writer = StreamWriter(handle, specs, hasher)
-            writer._put(safetensors_header(specs, metadata))
-            yield writer
-            if not writer.complete:
-                raise ValueError(
-                    f"{path.name}: {writer._next} of {len(writer._specs)} tensors written"
-                )
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    with atomic_file(path, buffering=0) as handle:
+        writer = StreamWriter(handle, specs, hasher)
+        writer._put(safetensors_header(specs, metadata))
+        yield writer
+        if not writer.complete:
+            raise ValueError(f"{path.name}: {writer._next} of {len(writer._specs)} tensors written")
     writer.digest = f"{algo}:{hasher.hexdigest()}" if hasher is not None else ""
 
 
@@ -284,52 +257,6 @@ def save_atomic(
     """Write a safetensors file via temp file, fsync and rename: readers see all or nothing."""
     save_tensors(tensors, path, metadata, algo=None)
     return path
-
-
-# --------------------------------------------------------------------------- deltas
-def to_bf16(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous bf16 copies for the wire (fp32 stays on the coordinator)."""
-    return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in tensors.items()}
-
-
-def delta_tensor(site: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """One tensor's delta ``site - reference``, computed in fp32 on the site tensor's device."""
-    return site.detach().float() - reference.detach().to(site.device).float()
-
-
-def delta_of(
-    site_params: Mapping[str, torch.Tensor], global_params: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Delta = site model - global model, computed in fp32 and sent as bf16."""
-    return {
-        name: delta_tensor(site_params[name], global_params[name]).to(torch.bfloat16)
-        for name in global_params
-    }
-
-
-def save_delta(
-    site_params: Mapping[str, torch.Tensor],
-    global_params: Mapping[str, torch.Tensor],
-    path: Path,
-    metadata: Mapping[str, str] | None = None,
-) -> str:
-    """Write the bf16 delta tensor by tensor; returns its digest.
-
-    Only one tensor's fp32 delta exists at a time and ``global_params`` may be lazy
-    (:func:`open_tensors`: each reference tensor is read when its delta is made), so a site
-    never holds a second copy of the model. Tensor names come from ``global_params``.
-    Compressed deltas and error feedback: :func:`crossfed.compress.save_delta`.
-    """
-    specs = [
-        TensorSpec(name, torch.bfloat16, tuple(site_params[name].shape))
-        for name in global_params.keys()
-    ]
-
-    def produce(spec: TensorSpec) -> torch.Tensor:
-        delta = delta_tensor(site_params[spec.name], global_params[spec.name])
-        return delta.to(torch.bfloat16)
-
-    return save_stream(path, specs, produce, metadata)
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):
