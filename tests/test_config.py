@@ -17,6 +17,7 @@ from crossfed.cli import main
 from crossfed.config import ConfigError, check_run, load_run_config, load_sites
 from crossfed.coordinator.client import Refused
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
+from crossfed.fileio import INLINE_MAX_BYTES
 from crossfed.flavours import FLAVOURS, flavour_error
 from tests.conftest import REPO, LiveCoordinator, tiny_spec
 
@@ -300,3 +301,14 @@ def test_nested_command_line_values_arrive_typed() -> None:
     assert config["model"]["compile"] is True and config["transport"]["inline_max_bytes"] == 0
     with pytest.raises(ConfigError, match="seq_len"):
         load_run_config(None, {"data": {"seq_len": "sixty"}})
+
+
+def test_the_inline_limit_is_one_number_in_the_schema_the_shipped_config_and_the_code() -> None:
+    """``transport.inline_max_bytes``: the schema's default (a literal, as a JSON-schema
+    default must be), config/config.yaml's value and ``crossfed.fileio.INLINE_MAX_BYTES`` (the
+    site's default) are the same 2 GiB, so none of them can drift from the others."""
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    default = schema["properties"]["transport"]["properties"]["inline_max_bytes"]["default"]
+    shipped = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    assert default == shipped["transport"]["inline_max_bytes"] == INLINE_MAX_BYTES == 2 * 1024**3
+    assert load_run_config(None)["transport"]["inline_max_bytes"] == INLINE_MAX_BYTES
