@@ -377,8 +377,8 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     import torch
 
     from crossfed.coordinator.embedded import client_for
-    from crossfed.launch import site_settings
     from crossfed.site import SiteRunner
+    from crossfed.site.job import site_settings
     from crossfed.train.distributed import (
         close_ranks,
         init_ranks,
@@ -433,8 +433,10 @@ def cmd_site_run(args: argparse.Namespace) -> int:
 
 
 def _site_chain(args: argparse.Namespace, config: dict[str, Any]) -> int:
-    """Several rounds in one allocation (crossfed.chain); writes the chain outcome."""
-    from crossfed.chain import ChainError, chain_job, relaunch_ranks
+    """Rounds back to back in one job (crossfed.site.loop); writes the chain outcome."""
+    from crossfed.site.job import chain_job
+    from crossfed.site.loop import ChainError
+    from crossfed.site.slurm import relaunch_ranks
     from crossfed.train.distributed import under_torchrun
 
     if config["launcher"]["kind"] == "torchrun" and not under_torchrun():

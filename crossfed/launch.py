@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.outer import OuterConfig
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import read_meta
-
-if TYPE_CHECKING:  # the site's modules import torchtitan: only a site job needs them
-    from crossfed.site import SiteSettings
 
 
 def run_spec(config: dict[str, Any], sites: dict[str, dict[str, Any]]) -> RunSpec:
@@ -42,46 +39,4 @@ def run_spec(config: dict[str, Any], sites: dict[str, dict[str, Any]]) -> RunSpe
             min_ttl_s=config["darl"]["min_ttl_s"],
             initial_ttl_s=config["darl"]["initial_ttl_s"],
         ),
-    )
-
-
-def site_settings(
-    config: dict[str, Any], site_name: str, site: dict[str, Any], accumulation: int | None = None
-) -> SiteSettings:
-    """Settings of one site job; ``accumulation`` may come from the plan (filling the barrier)."""
-    from crossfed.site import SiteSettings
-    from crossfed.train.distributed import ParallelConfig
-    from crossfed.train.inner import InnerConfig
-
-    inner = config["inner"]
-    return SiteSettings(
-        site=site_name,
-        data_dir=Path(config["data"]["dir"]),
-        work_dir=Path(config["results"]) / "sites",
-        block_size=config["data"]["block_size"],
-        data_seed=config["data"]["seed"],
-        inner=InnerConfig(
-            micro_batch=site["micro_batch"],
-            ranks=site["ranks"],
-            accumulation=accumulation or site["accumulation"],
-            weight_decay=inner["weight_decay"],
-            grad_clip=inner["grad_clip"],
-            slowdown=site["slowdown"],
-            min_step_s=site["min_step_s"],
-        ),
-        heartbeat_s=config["darl"]["heartbeat_s"],
-        inline_max_bytes=config["transport"]["inline_max_bytes"],
-        compress=config["transport"]["compress"],
-        error_feedback=config["transport"]["error_feedback"],
-        device=config["model"]["device"],
-        launcher=config["launcher"]["kind"],
-        parallel=ParallelConfig(
-            compile=config["model"]["compile"],
-            activation_checkpointing=config["model"]["activation_checkpointing"],
-        ),
-        checkpoint_every=inner["checkpoint_every"],
-        rounds=config["rounds"],
-        lease_wait_s=config["darl"]["initial_ttl_s"]
-        + config["round_policy"]["join_window_s"]
-        + 30.0,
     )

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import yaml
-from crossfed.chain import chain_continues, planned_job
+from crossfed.site.loop import chain_continues
+from crossfed.site.slurm import planned_job
 from crossfed.config import ConfigError, check_run, load_sites, validate
 from crossfed.resume import check_rerun
 from snakemake.settings.types import DeploymentMethod

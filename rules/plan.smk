@@ -33,7 +33,7 @@ rule plan:
         # record saying so (crossfed.catchup). An open round: measured rounds -> the
         # planner's job log; the plan's accumulation then fills the barrier from measured
         # step times (crossfed.train.barrier, paper Fig. 2a); every site loop, local or
-        # Slurm, takes its A for the round from it (crossfed.chain.planned_accumulation)
+        # Slurm, takes its A for the round from it (crossfed.site.loop.planned_accumulation)
         "{params.python} -m crossfed.catchup plan --config {params.config}"
         " --round {wildcards.for_round} --out {output.plan} > {log} 2>&1"
         " || ({params.python} -m crossfed.train.barrier job-log --results {params.results}"

@@ -1,6 +1,6 @@
 # Stage 3 of a round: the sites train H inner steps on leased blocks.
 #
-# Every site runs the same site loop (crossfed.chain): a long-lived job that trains the
+# Every site runs the same site loop (crossfed.site.loop): a long-lived job that trains the
 # coordinator's current round and the ones after it back to back, taking each round's
 # accumulation A from the newest plan (the barrier fill), and never replays a round the
 # coordinator has closed, so a site that starts late trains the round that is open. A site

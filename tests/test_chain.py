@@ -1,4 +1,4 @@
-"""Chain jobs: several rounds per allocation, stopping before the walltime (crossfed.chain)."""
+"""Site loops: rounds back to back, stopping before the walltime (crossfed.site.loop, .slurm)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from crossfed.chain import (
-    Allocation,
+from crossfed.sched.sacct import parse_sacct, walltime_discount
+from crossfed.site.job import proxy_env, short_requests
+from crossfed.site.loop import (
     ChainError,
     ChainOutcome,
     ChainRecord,
@@ -19,20 +20,20 @@ from crossfed.chain import (
     fits,
     history_durations,
     next_action,
+    planned_accumulation,
+    round_prior_s,
+    run_chain,
+)
+from crossfed.site.slurm import (
+    Allocation,
     parse_end_time,
     parse_node_address,
     parse_squeue_job,
-    planned_accumulation,
     planned_job,
-    proxy_env,
     rendezvous_endpoint,
-    round_prior_s,
-    run_chain,
-    short_requests,
     slurm_allocation,
     srun_per_node,
 )
-from crossfed.sched.sacct import parse_sacct, walltime_discount
 from tests.helpers.fake_coordinator import FakeCoordinator
 
 # ---------------------------------------------------------------------------- Slurm facts
@@ -343,7 +344,7 @@ def test_sacct_rows_with_fields_not_yet_filled_in_are_kept_and_skipped_by_gamma(
 
 def test_slurm_commands_of_a_chain_run_with_standard_times(monkeypatch) -> None:
     """A user's SLURM_TIME_FORMAT=relative would make squeue's end time unreadable."""
-    from crossfed.chain import _run
+    from crossfed.site.slurm import _run
 
     monkeypatch.setenv("SLURM_TIME_FORMAT", "relative")
     assert "SLURM_TIME_FORMAT=standard" in _run(["env"]).splitlines()

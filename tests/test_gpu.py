@@ -18,8 +18,8 @@ import yaml
 from safetensors.torch import load_file
 
 from crossfed.config import load_run_config, load_sites
-from crossfed.launch import site_settings
 from crossfed.site import SiteRunner
+from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
 from crossfed.train.inner import evaluate
 from crossfed.train.model import build_model, load_parameters

@@ -11,7 +11,6 @@ import pytest
 import yaml
 from conftest import tiny_spec
 
-from crossfed.chain import chain_continues
 from crossfed.config import ConfigError, load_run_config, load_sites
 from crossfed.coordinator.runspec import RunSpec, differences
 from crossfed.coordinator.service import Coordinator, CoordinatorError
@@ -19,6 +18,7 @@ from crossfed.launch import run_spec
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
+from crossfed.site.loop import chain_continues
 from crossfed.train.schedule import LRSchedule
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from crossfed.config import load_run_config, load_sites
-from crossfed.launch import site_settings
 from crossfed.site import SiteRunner, SiteSettings
+from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
 from tests.conftest import REPO, LiveCoordinator, write_yaml
 from tests.test_site_inner import init, site_config

@@ -19,8 +19,8 @@ import yaml
 
 from crossfed.config import load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
-from crossfed.launch import site_settings
 from crossfed.site import SiteRunner, block_end, out_of_time
+from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 
@@ -76,7 +76,7 @@ def test_a_site_round_trains_its_lease_and_commits_it(
     row = ledger_row(coordinator, "lumi")
     assert row["blocks_committed"] == 4 and row["blocks_lost"] == 0
     other_job = subprocess.run(  # another job of lumi may not use the folder meanwhile
-        [sys.executable, "-c", "import sys; from pathlib import Path; from crossfed.site_lock "
+        [sys.executable, "-c", "import sys; from pathlib import Path; from crossfed.site.lock "
          "import hold_site_folder; hold_site_folder(Path(sys.argv[1]), wait_s=0)",
          str(runner.dir)],
         cwd=REPO, capture_output=True, text=True,

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from crossfed.site_lock import LOCK_NAME, SiteBusy, hold_site_folder
+from crossfed.site.lock import LOCK_NAME, SiteBusy, hold_site_folder
 
 REPO = Path(__file__).resolve().parent.parent
 HOLD = (
-    "import sys, time; from pathlib import Path; from crossfed.site_lock import hold_site_folder;"
+    "import sys, time; from pathlib import Path; from crossfed.site.lock import hold_site_folder;"
     "hold_site_folder(Path(sys.argv[1]), wait_s=float(sys.argv[2])); print('held', flush=True);"
     "time.sleep(float(sys.argv[3]))"
 )

@@ -384,7 +384,7 @@ def test_multi_node_job_starts_one_torchrun_per_node(
     node's address (c10d rendezvous), and each starts its ranks (here `crossfed --help`)."""
     script = tmp_path / "launch.py"
     script.write_text(
-        "from crossfed.chain import relaunch_ranks\n"
+        "from crossfed.site.slurm import relaunch_ranks\n"
         "raise SystemExit(relaunch_ranks(4, ['--help'], {'command': ''}))\n"
     )
     out = tmp_path / "launch.out"

@@ -211,8 +211,8 @@ def _from_run_config(args: argparse.Namespace) -> None:
     round consumes; flags given explicitly win. Rules pass the config file rather than
     these numbers, so a rerun with more rounds changes no finished job's parameters.
     """
-    from crossfed.chain import tokens_per_round
     from crossfed.config import load_run_config, load_sites
+    from crossfed.site.job import tokens_per_round
 
     config = load_run_config(Path(args.config))
     sites = load_sites(config)

@@ -1,0 +1,242 @@
+"""Rank 0's traffic with the coordinator, behind one seam.
+
+Under torchrun rank 0 alone talks to the coordinator: it joins, fetches the global model,
+leases (or confirms the lease of a checkpoint it resumes), keeps the lease alive, sends the
+delta or releases the lease. ``Control`` is all of that for one site; the runner calls it on
+rank 0 only and broadcasts what the other ranks need. ``Heartbeat`` is the background beat
+of one lease; ``FollowerBeat`` stands in for it on the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from crossfed.coordinator.client import CoordinatorClient, Refused
+from crossfed.darl.blockspace import BlockSpace
+from crossfed.fileio import keep_global_model
+from crossfed.site.records import Cursor, PendingDelta, RoundOutcome, SiteSettings, prefix
+from crossfed.train import checkpoint
+
+log = logging.getLogger("crossfed.site")
+
+
+class RoundClosed(Exception):
+    """The round closed (or this site already contributed) before the site could lease."""
+
+
+class Heartbeat:
+    """Background thread: refreshes the lease, reports progress, learns of steals and expiry."""
+
+    def __init__(
+        self, client: CoordinatorClient, site: str, lease: dict, interval_s: float
+    ) -> None:
+        self.client, self.site, self.interval_s = client, site, interval_s
+        self.lease_id = lease["lease_id"]
+        self.allowed_blocks = lease["n_blocks"]
+        self.consumed = 0
+        self.t_step_s: float | None = None
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{site}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        echo, received = None, 0.0  # the last reply's nonce, for the coordinator's RTT
+        while not self._stop.wait(self.interval_s):
+            try:
+                held = time.perf_counter() - received if echo is not None else None
+                reply = self.client.heartbeat(
+                    self.lease_id, self.site, self.consumed, self.t_step_s, echo, held
+                )
+                echo, received = reply.get("echo"), time.perf_counter()
+            except Refused as exc:
+                self.lost = f"{exc.code}: {exc.detail}"
+                return
+            except Exception as exc:  # transient: the TTL covers a few missed beats
+                log.warning("%s heartbeat failed: %s", prefix(self.site), exc)
+                continue
+            shrunk = reply["lease"]["n_blocks"]
+            if shrunk < self.allowed_blocks:
+                log.info(
+                    "%s lease %d: %d blocks stolen",
+                    prefix(self.site),
+                    self.lease_id,
+                    self.allowed_blocks - shrunk,
+                )
+            self.allowed_blocks = shrunk
+
+
+class FollowerBeat:
+    """Stand-in for the heartbeat on ranks other than 0 (rank 0 alone talks to the coordinator)."""
+
+    def __init__(self, lease: dict) -> None:
+        self.allowed_blocks = lease["n_blocks"]
+        self.consumed = lease.get("consumed", 0)
+        self.t_step_s: float | None = None
+        self.lost: str | None = None
+
+    def __enter__(self) -> FollowerBeat:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class Control:
+    """One site's requests to the coordinator (rank 0), and the files they leave behind."""
+
+    def __init__(
+        self, client: CoordinatorClient, settings: SiteSettings, space: BlockSpace, folder: Path
+    ) -> None:
+        self.client, self.s, self.space, self.dir = client, settings, space, folder
+
+    @property
+    def site(self) -> str:
+        return self.s.site
+
+    def join(self, round_no: int) -> tuple[dict[str, Any], float]:
+        """Register for ``round_no`` (the block space's digest checked): the reply and the RTT."""
+        rtt = self.client.rtt_ms()
+        joined = self.client.register(
+            self.site, self.space.digest(), self.s.inner.ranks, rtt, round_no
+        )
+        return joined, rtt
+
+    def download(self, generation: int) -> Path:
+        """The global model of ``generation`` on local disk (older ones removed); the run
+        folder keeps it too, for the workflow's merge jobs."""
+        path = self.dir / "models" / f"global-{generation:06d}.safetensors"
+        self.client.download_model(generation, path)
+        keep_global_model(path, self.s.work_dir.parent, generation)
+        for old in path.parent.glob("global-*.safetensors"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        return path
+
+    def lease(self, round_no: int, want: int, rtt: float) -> dict | None:
+        """A lease of up to ``want`` blocks; None when no data turned up in time.
+
+        Raises RoundClosed when the round closed first. A restarted job whose previous
+        incarnation still holds a lease it cannot continue waits for that lease's TTL to
+        return it to the pool (the crash costs exactly that lease), then leases anew.
+        """
+        deadline = time.monotonic() + self.s.lease_wait_s
+        delay = 0.5
+        while True:
+            try:
+                reply = self.client.lease(self.site, round_no, want, None, rtt)
+            except Refused as exc:
+                if exc.code in ("round_closed", "already_contributed"):
+                    raise RoundClosed(exc.code) from exc
+                if exc.code != "already_holding":
+                    raise
+                reply = {"lease": None}
+                log.info(
+                    "%s a previous job still holds a lease; waiting for its TTL",
+                    prefix(self.site, round_no),
+                )
+            if reply["lease"] is not None:
+                return reply["lease"]
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def confirm(self, cursor: Cursor, joined: dict[str, Any]) -> dict | None:
+        """The live lease a checkpoint trained, confirmed by a heartbeat; None if it is gone
+        (its blocks return to the pool on its TTL, and the checkpoint is dropped)."""
+        here = prefix(self.site, cursor.round)
+        live = [
+            lease
+            for lease in joined.get("active_leases", [])
+            if lease["lease_id"] == cursor.lease_id and lease["site"] == self.site
+        ]
+        if not live:
+            log.info(
+                "%s lease %d of the mid-phase checkpoint has expired; training anew",
+                here,
+                cursor.lease_id,
+            )
+            return None
+        lease = live[0]
+        try:
+            reply = self.client.heartbeat(lease["lease_id"], self.site, lease["consumed"], None)
+        except Refused as exc:
+            log.info("%s lease %d is gone (%s)", here, lease["lease_id"], exc.code)
+            return None
+        lease = reply["lease"]
+        if list(lease["blocks"]) != list(cursor.blocks)[: len(lease["blocks"])]:
+            raise checkpoint.CheckpointError(
+                f"lease {lease['lease_id']}: blocks differ from the checkpoint's record"
+            )
+        return lease
+
+    def heartbeat(self, lease: dict) -> Heartbeat:
+        return Heartbeat(self.client, self.site, lease, self.s.heartbeat_s)
+
+    def release(self, lease_id: int) -> None:
+        self.client.release(lease_id, self.site)
+
+    def send(self, pending: PendingDelta, outcome: RoundOutcome, state_dir: Path) -> RoundOutcome:
+        """Send the written delta; the reply commits its blocks (or rejects it as stale).
+
+        The pending record and the delta file go once answered; an accepted delta's residual
+        becomes the site's (error feedback), a refused one's is dropped.
+        """
+        path = Path(pending.delta)
+        inline = path.stat().st_size <= self.s.inline_max_bytes
+        t0 = time.perf_counter()
+        try:
+            reply = self.client.submit_delta(
+                pending.round,
+                path,
+                inline=inline,
+                key=pending.key,
+                site=self.site,
+                lease_id=pending.lease_id,
+                generation=pending.generation,
+                tokens=pending.tokens,
+                steps=pending.steps,
+                consumed=pending.consumed,
+                loss=pending.loss,
+                compute_s=pending.compute_s,
+            )
+        except Refused as exc:
+            if exc.status >= 500 or exc.status in (401, 403):
+                raise
+            outcome.status = "stale" if exc.code == "stale_generation" else "lease_lost"
+            outcome.detail = f"{exc.code}: {exc.detail}"
+            reply = None
+        outcome.upload_s = time.perf_counter() - t0
+        size_mb = path.stat().st_size / 1e6
+        outcome.transport = "inline" if inline else "blob"
+        outcome.overhead_s = outcome.download_s + outcome.upload_s + outcome.checkpoint_s
+        residual = Path(pending.residual) if pending.residual else None
+        if reply is not None:
+            outcome.blocks_committed = pending.consumed
+            outcome.extra["already"] = reply.get("already", False)
+            checkpoint.commit_residual(state_dir, residual)  # the next delta carries it
+        elif residual is not None:  # not merged: the residual it came from is still owed
+            residual.unlink(missing_ok=True)
+        (self.dir / "pending.json").unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        log.info(
+            "%s delta %s (%s, %.1f MB): %s",
+            prefix(self.site, pending.round),
+            outcome.status,
+            outcome.transport,
+            size_mb,
+            outcome.detail or "blocks committed",
+        )
+        return outcome

@@ -1,0 +1,208 @@
+"""One site job: settings from the config, the site loop on every rank, the outcome.
+
+``chain_job`` is the CLI's ``site run --through-round``: it reads the site's plan entry, sets
+the walltime and the proxy, builds the runner and runs the loop (crossfed.site.loop);
+``site_settings`` maps the run config to a site's settings.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from crossfed.fileio import write_atomic
+from crossfed.site.loop import (
+    ChainError,
+    ChainOutcome,
+    ChainSettings,
+    history_durations,
+    planned_accumulation,
+    read_records,
+    round_prior_s,
+    run_chain,
+)
+from crossfed.site.slurm import slurm_allocation
+
+if TYPE_CHECKING:  # the runner imports torchtitan: only a training job needs it
+    from crossfed.site.records import SiteSettings
+
+
+def tokens_per_round(config: Mapping[str, Any], site: Mapping[str, Any], accumulation: int) -> int:
+    """Tokens one site trains in one round: H * seq_len * B * W * A."""
+    windows = site["micro_batch"] * site["ranks"] * accumulation
+    return int(config["inner"]["steps"]) * int(config["data"]["seq_len"]) * windows
+
+
+def proxy_env(config: Mapping[str, Any]) -> dict[str, str]:
+    """Environment that sends the site's HTTP(S) requests through its forward proxy."""
+    proxy = config["connectivity"]["https_proxy"]
+    if not proxy:
+        return {}
+    no_proxy = config["connectivity"]["no_proxy"]
+    return {
+        "https_proxy": proxy,
+        "HTTPS_PROXY": proxy,
+        "http_proxy": proxy,
+        "HTTP_PROXY": proxy,
+        "no_proxy": no_proxy,
+        "NO_PROXY": no_proxy,
+    }
+
+
+def short_requests(site: Mapping[str, Any]) -> bool:
+    """Whether the site sends every delta as its own upload plus short JSON requests.
+
+    A site behind an HTTP forward proxy (``transport: proxy``) never puts a delta inside the
+    round message: the proxy's load balancer reaps long requests, and a separate, idempotent
+    blob upload is retried on its own.
+    """
+    return site.get("transport") == "proxy"
+
+
+def chain_job(
+    config: dict[str, Any],
+    site: str,
+    *,
+    through_round: int,
+    plan_path: str | None,
+    until_walltime: str,
+    round_out: str,
+    log: Callable[[str], None] = print,
+) -> ChainOutcome | None:
+    """Run one chain job of ``site`` (the CLI's ``site run --through-round``).
+
+    Under torchrun every rank calls this; rank 0 talks to the coordinator and returns the
+    outcome, the other ranks return None.
+    """
+    import json
+    from dataclasses import replace
+
+    from crossfed.config import ConfigError, load_sites
+    from crossfed.coordinator.embedded import client_for
+    from crossfed.site.runner import SiteRunner
+    from crossfed.train.distributed import broadcast_object, close_ranks, init_ranks
+
+    sites = load_sites(config)
+    if site not in sites:
+        raise ConfigError(f"unknown site {site!r}; sites are {list(sites)}")
+    entry: dict[str, Any] = {}
+    if plan_path and Path(plan_path).exists():
+        entry = json.loads(Path(plan_path).read_text()).get("sites", {}).get(site, {})
+    now = time.time()
+    if entry and entry.get("submit") is False:
+        out = ChainOutcome(site, "not_planned", started_at=now, ended_at=now)
+        out.detail = str(entry.get("reason", ""))
+        return out
+    accumulation = entry.get("accumulation") or sites[site]["accumulation"]
+    settings = site_settings(config, site, sites[site], accumulation)
+    if short_requests(sites[site]):
+        settings = replace(settings, inline_max_bytes=0)
+    os.environ.update(proxy_env(config))
+    ranks = init_ranks(settings.device)
+    alloc = None
+    deadline: float | None = None
+    if until_walltime == "auto":
+        alloc = slurm_allocation() if ranks.main else None
+        deadline = alloc.end if alloc else None
+    elif until_walltime not in ("", "none"):
+        try:
+            deadline = now + float(until_walltime)
+        except ValueError as exc:
+            raise ChainError(
+                f"--until-walltime must be 'auto', 'none' or seconds, got {until_walltime!r}"
+            ) from exc
+    if deadline is not None:  # a round that runs long stops in time to send what it trained
+        stop_at = deadline - float(config["chain"]["margin_s"])
+        settings = replace(settings, stop_training_at=stop_at)
+    prior = config["chain"]["round_prior_s"]
+    if prior is None:
+        prior = round_prior_s(
+            tokens_per_round(config, sites[site], accumulation), entry.get("tokens_per_s")
+        )
+    chain = ChainSettings(
+        through_round=through_round,
+        deadline=deadline,
+        margin_s=float(config["chain"]["margin_s"]),
+        prior_s=prior,
+        history_s=history_durations(read_records(config["results"], site), site),
+    )
+
+    def record(outcome: Any, seconds: float) -> None:
+        outcome.extra["round_s"] = seconds
+        if alloc is not None:
+            outcome.extra["slurm_job_id"] = alloc.job_id
+        path = Path(round_out.format(round=outcome.round, site=site))
+        write_atomic(path, json.dumps(asdict(outcome), indent=2, default=str) + "\n")
+        log(
+            f"[{site} r{outcome.round}] {outcome.status} in {seconds:.1f}s: {outcome.tokens} "
+            f"tokens, loss {outcome.loss_mean} {outcome.detail}"
+        )
+
+    client = client_for(config, site) if ranks.main else None
+    if ranks.main:
+        left = "no walltime" if deadline is None else f"{deadline - now:.0f}s of walltime"
+        log(f"[{site}] chain job: rounds up to {through_round}, {left}, margin {chain.margin_s:g}s")
+    try:
+        runner = SiteRunner(settings, client, ranks)
+        out = run_chain(
+            site,
+            runner,
+            client,
+            chain,
+            share=lambda decision: broadcast_object(decision, ranks),
+            on_round=record if ranks.main else None,
+            accumulation_for=lambda r: planned_accumulation(config["results"], site, r),
+            log=log if ranks.main else lambda _: None,
+        )
+    finally:
+        close_ranks(ranks)
+    if not ranks.main:
+        return None
+    out.slurm_job_id = alloc.job_id if alloc else None
+    return out
+
+
+def site_settings(
+    config: dict[str, Any], site_name: str, site: dict[str, Any], accumulation: int | None = None
+) -> SiteSettings:
+    """Settings of one site job; ``accumulation`` may come from the plan (filling the barrier)."""
+    from crossfed.site.records import SiteSettings
+    from crossfed.train.distributed import ParallelConfig
+    from crossfed.train.inner import InnerConfig
+
+    inner = config["inner"]
+    return SiteSettings(
+        site=site_name,
+        data_dir=Path(config["data"]["dir"]),
+        work_dir=Path(config["results"]) / "sites",
+        block_size=config["data"]["block_size"],
+        data_seed=config["data"]["seed"],
+        inner=InnerConfig(
+            micro_batch=site["micro_batch"],
+            ranks=site["ranks"],
+            accumulation=accumulation or site["accumulation"],
+            weight_decay=inner["weight_decay"],
+            grad_clip=inner["grad_clip"],
+            slowdown=site["slowdown"],
+            min_step_s=site["min_step_s"],
+        ),
+        heartbeat_s=config["darl"]["heartbeat_s"],
+        inline_max_bytes=config["transport"]["inline_max_bytes"],
+        compress=config["transport"]["compress"],
+        error_feedback=config["transport"]["error_feedback"],
+        device=config["model"]["device"],
+        launcher=config["launcher"]["kind"],
+        parallel=ParallelConfig(
+            compile=config["model"]["compile"],
+            activation_checkpointing=config["model"]["activation_checkpointing"],
+        ),
+        checkpoint_every=inner["checkpoint_every"],
+        rounds=config["rounds"],
+        lease_wait_s=config["darl"]["initial_ttl_s"]
+        + config["round_policy"]["join_window_s"]
+        + 30.0,
+    )

@@ -1,0 +1,506 @@
+"""The loop a site job runs for one outer round.
+
+prepare (rank 0: join, adopt the global model, lease or resume) -> train H inner steps while a
+heartbeat keeps the lease alive -> checkpoint (model, optimiser, cursor, delta, pending
+record) -> send the delta, which commits the blocks in the same coordinator transaction.
+
+Crash safety, in order of where a job dies:
+
+* mid-phase: every ``checkpoint_every`` steps the model, inner AdamW state and data cursor
+  are checkpointed (DCP, atomic). A restarted job in the same round whose lease is still alive
+  continues it from the cursor: no window is retrained or skipped. If the lease has expired
+  its blocks went back to the pool, so the checkpoint's weights and cursor are dropped and the
+  job leases anew.
+* after the end-of-phase checkpoint: the checkpointed delta is resent when the job restarts
+  (the coordinator answers idempotently per lease).
+
+Inner optimiser state persists across rounds, as in DiLoCo: a site that adopts a newer global
+model (the next round, or after missing rounds) keeps its AdamW moments and step count, and
+only a site with no local state starts AdamW afresh. AdamW's moments decay geometrically
+(beta2 = 0.95: about 1% left after 90 steps), so stale moments are forgotten within a round,
+while resetting them would restart the bias correction at the schedule's current (peak) rate.
+
+With error feedback (``transport.error_feedback``) the delta carries the residual the codec
+dropped from the site's previous delta, and leaves a new one beside it; that one becomes the
+site's residual once the coordinator accepts the delta (a refused delta leaves the old one).
+A job killed anywhere in between finds the residual its delta was or will be made with. A site
+that missed rounds drops its residual (:func:`crossfed.train.checkpoint.carried_residual`).
+
+Under torchrun (``launcher: torchrun``) every rank runs this loop; rank 0 alone talks to the
+coordinator (:class:`crossfed.site.control.Control`) and broadcasts the round's start, the
+lease and every step's window limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from crossfed.coordinator.client import CoordinatorClient
+from crossfed.coordinator.faults import crash_point
+from crossfed.darl.blockspace import BlockSpace
+from crossfed.darl.leases import lease_blocks
+from crossfed.fileio import write_atomic
+from crossfed.progress import CONSOLE, step_line
+from crossfed.site.control import Control, FollowerBeat, Heartbeat, RoundClosed
+from crossfed.site.lock import hold_site_folder
+from crossfed.site.records import (
+    Cursor,
+    PendingDelta,
+    RoundOutcome,
+    RoundStart,
+    SiteSettings,
+    prefix,
+)
+from crossfed.train import checkpoint
+from crossfed.train.distributed import (
+    DistributedError,
+    Ranks,
+    broadcast_int,
+    broadcast_object,
+    full_parameters,
+    load_full_parameters,
+    mfu,
+    parallelize,
+    rank_device,
+    sum_over_ranks,
+    uses_autocast,
+)
+from crossfed.train.inner import (
+    LeaseWindows,
+    PhaseResult,
+    PhaseState,
+    StepInfo,
+    Trainer,
+    make_optimizer,
+    run_inner_phase,
+)
+from crossfed.train.model import build_model, flops_per_token
+from crossfed.train.schedule import LRSchedule
+from crossfed.train.windows import WindowStore
+from crossfed.wire.codecs import save_delta
+from crossfed.wire.tensors import open_tensors
+
+log = logging.getLogger("crossfed.site")
+
+Beat = Heartbeat | FollowerBeat
+
+
+class SiteRunner:
+    """One site's state across rounds: model, inner optimiser, local checkpoints.
+
+    Under torchrun every rank builds a runner; rank 0 alone holds a coordinator client. It
+    decides what the round does (join, adopt, lease or resume) and broadcasts that; all ranks
+    then train, checkpoint and gather the delta together, and rank 0 sends it.
+    """
+
+    def __init__(
+        self,
+        settings: SiteSettings,
+        client: CoordinatorClient | None,
+        ranks: Ranks | None = None,
+    ) -> None:
+        self.s = settings
+        self.ranks = ranks or Ranks()
+        if self.ranks.distributed and self.ranks.world != settings.inner.ranks:
+            raise DistributedError(
+                f"site {settings.site}: {self.ranks.world} torchrun processes for "
+                f"{settings.inner.ranks} ranks; start one process per rank"
+            )
+        if self.ranks.main and client is None:
+            raise DistributedError("rank 0 needs a coordinator client")
+        self.device = rank_device(settings.device, self.ranks)
+        self.store = WindowStore.open(settings.data_dir, "train")
+        self.space = BlockSpace(self.store.n_windows, settings.block_size, settings.data_seed)
+        self.dir = settings.work_dir / settings.site
+        self.state_dir = self.dir / "state"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.control: Control | None = None
+        if self.ranks.main:  # a second job of this site waits for this one to end
+            assert client is not None
+            hold_site_folder(self.dir)
+            self.control = Control(client, settings, self.space, self.dir)
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.flops_per_token: float | None = None
+        self._restored = False
+
+    @property
+    def pending_path(self) -> Path:
+        return self.dir / "pending.json"
+
+    # ---------------------------------------------------------------- one round
+    def run_round(self, round_no: int, accumulation: int | None = None) -> RoundOutcome:
+        """Train one round; every rank calls this, rank 0's outcome is the one to report.
+
+        ``accumulation`` (rank 0's, from the round's plan) replaces the settings' A for this
+        round and the ones after it; a phase resumed from its checkpoint keeps the A it began with.
+        """
+        if accumulation and self.ranks.main:
+            self._use_accumulation(int(accumulation))
+        start = self._prepare(round_no) if self.ranks.main else None
+        start = broadcast_object(start, self.ranks)
+        if isinstance(start, RoundOutcome):
+            return start
+        assert isinstance(start, RoundStart)
+        self._use_accumulation(start.accumulation)
+        return self._run_phase(round_no, start)
+
+    def _use_accumulation(self, accumulation: int) -> None:
+        if accumulation != self.s.inner.accumulation:
+            self.s = replace(self.s, inner=replace(self.s.inner, accumulation=accumulation))
+
+    def _prepare(self, round_no: int) -> RoundOutcome | RoundStart:
+        """Rank 0: join, resend a checkpointed delta, adopt the global model, lease or resume."""
+        control = self.control
+        assert control is not None
+        joined, rtt = control.join(round_no)
+        resumed = self._resume_pending(round_no)
+        if resumed is not None:
+            return resumed
+        if joined["round"] != round_no:
+            detail = f"round {round_no} closed; coordinator is at round {joined['round']}"
+            return RoundOutcome(self.s.site, round_no, "missed", rtt_ms=rtt, detail=detail)
+        generation = joined["generation"]
+        t0 = time.perf_counter()
+        model_path = control.download(generation)
+        download_s = time.perf_counter() - t0
+        cursor, lease = self._resumable(round_no, generation, joined)
+        if cursor is not None and cursor.accumulation:
+            self._use_accumulation(cursor.accumulation)  # the phase's own A
+        inner = self.s.inner
+        want = lease_blocks(
+            joined["inner_steps"], inner.micro_batch, inner.ranks, inner.accumulation,
+            self.s.block_size,
+        )  # fmt: skip
+        if lease is None:
+            try:
+                lease = control.lease(round_no, want, rtt)
+            except RoundClosed:
+                detail = f"round {round_no} closed before this job could lease"
+                return RoundOutcome(
+                    self.s.site, round_no, "missed", generation=generation, rtt_ms=rtt,
+                    detail=detail,
+                )  # fmt: skip
+        if lease is None:
+            detail = "no blocks to lease or steal before the round closed"
+            return RoundOutcome(
+                self.s.site, round_no, "no_data", generation=generation, rtt_ms=rtt, detail=detail
+            )
+        log.info(
+            "%s lease %d: %d blocks (asked %d), generation %d, global step %d%s",
+            prefix(self.s.site, round_no), lease["lease_id"], lease["n_blocks"], want,
+            generation, joined["global_step"],
+            f", resuming at window {cursor.phase.windows}" if cursor else "",
+        )  # fmt: skip
+        return RoundStart(
+            generation=generation,
+            global_step=cursor.global_step if cursor else joined["global_step"],
+            schedule=joined["schedule"],
+            flavour=joined["flavour"],
+            vocab_size=joined["vocab_size"],
+            lease=lease,
+            model_path=str(model_path),
+            cursor=cursor,
+            download_s=download_s,
+            rtt_ms=rtt,
+            accumulation=self.s.inner.accumulation,
+        )
+
+    def _resumable(
+        self, round_no: int, generation: int, joined: dict
+    ) -> tuple[Cursor | None, dict | None]:
+        """A checkpoint this job can continue: same round and generation, and the lease it
+        trained is still alive (a heartbeat confirms it). A "done" one (killed between the
+        end-of-phase checkpoint and the delta) trains nothing more and goes on to the delta.
+        Otherwise the checkpoint's weights and cursor are dropped (its blocks return to the
+        pool on the lease's TTL)."""
+        found = checkpoint.latest(self.state_dir)
+        if found is None or found.get("status") not in ("training", "done"):
+            return None, None
+        cursor = Cursor.from_dict(found)
+        if cursor.round != round_no or cursor.generation != generation:
+            if cursor.status == "training":
+                log.info(
+                    "%s dropping the mid-phase checkpoint of round %d (now round %d)",
+                    prefix(self.s.site), cursor.round, round_no,
+                )  # fmt: skip
+            return None, None
+        assert self.control is not None
+        lease = self.control.confirm(cursor, joined)
+        return (cursor, lease) if lease is not None else (None, None)
+
+    def _resume_pending(self, round_no: int) -> RoundOutcome | None:
+        """A checkpointed but unsent delta from a killed job: send it again (idempotent)."""
+        if not self.pending_path.exists():
+            return None
+        pending = PendingDelta.from_json(self.pending_path.read_text())
+        if not Path(pending.delta).exists():
+            self.pending_path.unlink()
+            return None
+        log.info(
+            "%s resending checkpointed delta of round %d (lease %d)",
+            prefix(self.s.site), pending.round, pending.lease_id,
+        )  # fmt: skip
+        outcome = RoundOutcome(
+            self.s.site, pending.round, "accepted", generation=pending.generation,
+            lease_id=pending.lease_id, steps=pending.steps, tokens=pending.tokens,
+            loss_mean=pending.loss, compute_s=pending.compute_s,
+        )  # fmt: skip
+        outcome = self._send(pending, outcome)
+        outcome.extra["resumed"] = True
+        return outcome if pending.round == round_no else None
+
+    # ---------------------------------------------------------------- all ranks
+    def _ensure_model(self, flavour: str, vocab_size: int) -> None:
+        """Build, parallelise and pair with AdamW once per process; reload the inner state.
+
+        The inner AdamW state is kept across rounds (DiLoCo): a restarted job reloads it from
+        the newest local checkpoint, whatever generation that checkpoint trained from.
+        """
+        if self.model is not None:
+            return
+        model = build_model(flavour, vocab_size=vocab_size, device=self.device)
+        self.flops_per_token = flops_per_token(model, flavour, vocab_size, self.store.seq_len)
+        self.model = parallelize(model, self.ranks, self.s.parallel, self.device)
+        self.optimizer = make_optimizer(self.model, self.s.inner, lr=0.0)
+
+    def _restore(self, cursor: Cursor | None) -> None:
+        """Resuming ``cursor``: its weights and optimiser state. A fresh process: the inner
+        optimiser state of the newest checkpoint (kept across rounds, as DiLoCo does)."""
+        assert self.model is not None and self.optimizer is not None
+        if cursor is not None:
+            checkpoint.load(cursor.to_dict(), self.model, self.optimizer, weights=True)
+        elif not self._restored:
+            newest = checkpoint.latest(self.state_dir)
+            if newest is not None:
+                checkpoint.load(newest, self.model, self.optimizer, weights=False)
+        self._restored = True
+
+    def _run_phase(self, round_no: int, start: RoundStart) -> RoundOutcome:
+        """Train the lease, then checkpoint and send (rank 0) what was trained."""
+        self._ensure_model(start.flavour, start.vocab_size)
+        assert self.model is not None
+        if start.cursor is None:
+            load_full_parameters(self.model, load_file(start.model_path))
+        self._restore(start.cursor)
+        state = start.cursor.phase if start.cursor else PhaseState()
+        resumed_at = state.windows
+        beat: Beat = (
+            self.control.heartbeat(start.lease) if self.control else FollowerBeat(start.lease)
+        )
+        beat.consumed = max(beat.consumed, start.lease.get("consumed", 0))
+        with beat:  # the heartbeat runs until the delta is in: a commit needs a live lease
+            state = self._train(round_no, start, state, beat)
+            outcome = self._outcome(round_no, start, state)
+            if resumed_at:
+                outcome.extra["resumed_at_window"] = resumed_at
+            lost = broadcast_object(beat.lost, self.ranks)
+            # rank 0 alone knows the walltime (Slurm's end time): its verdict holds for all
+            timed_out = broadcast_object(
+                state.stopped_early and out_of_time(self.s.stop_training_at, None), self.ranks
+            )
+            if lost is None and state.steps == 0 and timed_out:
+                if self.control:  # nothing trained: its blocks go back to the pool now
+                    self.control.release(start.lease_id)
+                outcome.status, outcome.detail = "walltime", "the walltime came before a step"
+                return outcome
+            if lost is not None or state.steps == 0:
+                outcome.status, outcome.detail = "lease_lost", lost or "lease empty"
+                return outcome
+            if timed_out:
+                outcome.detail = f"stopped for the walltime after {outcome.windows} windows"
+            pending = self._checkpoint(round_no, start, state, outcome)
+            if pending is None:  # not rank 0
+                return outcome
+            return self._send(pending, outcome)
+
+    def _outcome(self, round_no: int, start: RoundStart, state: PhaseState) -> RoundOutcome:
+        """The round's outcome as trained (accepted until the send says otherwise)."""
+        result = PhaseResult.of(state)
+        tokens_per_s = state.tokens / state.compute_s if state.compute_s else 0.0
+        return RoundOutcome(
+            self.s.site, round_no, "accepted", generation=start.generation,
+            lease_id=start.lease_id, blocks_leased=start.lease["n_blocks"], steps=state.steps,
+            tokens=state.tokens, windows=state.windows, loss_mean=result.loss_mean,
+            loss_last=result.loss_last, compute_s=state.compute_s, download_s=start.download_s,
+            step_s=result.step_s, rtt_ms=start.rtt_ms, tokens_per_s=tokens_per_s,
+            accumulation=self.s.inner.accumulation, ranks=self.s.inner.ranks,
+            micro_batch=self.s.inner.micro_batch, launcher=self.s.launcher,
+            mfu=mfu(tokens_per_s, self.flops_per_token, self.device, self.ranks.world),
+        )  # fmt: skip
+
+    def _cursor(self, round_no: int, start: RoundStart, state: PhaseState, status: str) -> Cursor:
+        return Cursor(
+            round=round_no, status=status, lease_id=start.lease_id,
+            blocks=list(start.lease["blocks"]), generation=start.generation,
+            global_step=start.global_step, site=self.s.site,
+            accumulation=self.s.inner.accumulation, phase=state,
+        )  # fmt: skip
+
+    def _save(self, cursor: Cursor) -> None:
+        assert self.model is not None and self.optimizer is not None
+        checkpoint.save(self.state_dir, self.model, self.optimizer, cursor.to_dict(), self.ranks)
+
+    def _checkpoint(
+        self, round_no: int, start: RoundStart, state: PhaseState, outcome: RoundOutcome
+    ) -> PendingDelta | None:
+        """Model, optimiser and cursor (DCP), the delta and the pending record: all before the
+        commit. Collective; rank 0 returns the pending record."""
+        assert self.model is not None
+        t1 = time.perf_counter()
+        params = full_parameters(self.model)
+        self._save(self._cursor(round_no, start, state, "done"))
+        pending = None
+        if self.ranks.main:
+            delta_path = self.dir / f"delta-r{round_no:05d}.safetensors"
+            residual_path = None
+            with ExitStack() as files:  # the reference and the residual: tensor by tensor
+                reference = files.enter_context(open_tensors(Path(start.model_path)))
+                carried = None
+                if self.s.error_feedback:
+                    residual_path = self.dir / f"residual-r{round_no:05d}.safetensors"
+                    path, decision = checkpoint.carried_residual(self.state_dir, start.generation)
+                    outcome.extra["residual"] = decision
+                    if path is not None:
+                        carried = files.enter_context(open_tensors(path))
+                key = save_delta(
+                    params, reference, delta_path, {"site": self.s.site, "round": str(round_no)},
+                    codec=self.s.compress, residual_in=carried, residual_out=residual_path,
+                    residual_metadata=checkpoint.residual_metadata(round_no, start.generation),
+                )  # fmt: skip
+            pending = PendingDelta(
+                round=round_no, lease_id=start.lease_id, generation=start.generation,
+                tokens=state.tokens, steps=state.steps,
+                consumed=self._blocks_covered(start.lease, state.windows),
+                loss=PhaseResult.of(state).loss_mean, compute_s=state.compute_s,
+                delta=str(delta_path), key=key,
+                residual=str(residual_path) if residual_path else None,
+            )  # fmt: skip
+            self._write_pending(pending)
+        del params
+        outcome.checkpoint_s = state.checkpoint_s + time.perf_counter() - t1
+        return pending
+
+    def _write_pending(self, pending: PendingDelta) -> None:
+        write_atomic(self.pending_path, pending.to_json())
+
+    def _send(self, pending: PendingDelta, outcome: RoundOutcome) -> RoundOutcome:
+        """Send the checkpointed delta (rank 0): crossfed.site.control.Control.send."""
+        assert self.control is not None
+        return self.control.send(pending, outcome, self.state_dir)
+
+    def _ranges(self, blocks: list[int]) -> list[tuple[int, int]]:
+        return [(r.start, r.stop) for r in (self.space.block_windows(b) for b in blocks)]
+
+    def _blocks_covered(self, lease: dict, windows_done: int) -> int:
+        """How many of the lease's blocks were trained completely."""
+        covered = 0
+        for block in lease["blocks"]:
+            size = len(self.space.block_windows(block))
+            if windows_done < size:
+                break
+            windows_done -= size
+            covered += 1
+        return covered
+
+    def _train(self, round_no: int, start: RoundStart, state: PhaseState, beat: Beat) -> PhaseState:
+        """The inner phase on the lease's windows: each step's window limit follows the lease
+        (steals shrink it) and the walltime; progress lines and mid-phase checkpoints."""
+        assert self.model is not None and self.optimizer is not None
+        windows = LeaseWindows.of(self._ranges(start.lease["blocks"]))
+        sizes = [stop - begin for begin, stop in windows.ranges]
+        trainer = Trainer(
+            self.model, self.optimizer, self.s.inner, device=self.device, rank=self.ranks.rank,
+            world=self.ranks.world, autocast=uses_autocast(self.device, self.ranks),
+            reduce_loss=lambda loss: sum_over_ranks(loss, self.ranks),
+        )  # fmt: skip
+        progress = _Progress(self, round_no, state.tokens, len(windows), start.lease)
+        done = [state.windows]
+
+        def limit() -> int:
+            allowed = 0 if beat.lost is not None else sum(sizes[: beat.allowed_blocks])
+            if out_of_time(self.s.stop_training_at, beat.t_step_s):
+                allowed = min(allowed, block_end(sizes, done[0]))
+            return broadcast_int(allowed, self.ranks)
+
+        def on_step(info: StepInfo) -> None:
+            crash_point("site_after_step", f"{self.s.site}:{round_no}")  # tests only
+            done[0] = info.windows_done
+            beat.consumed = max(beat.consumed, self._blocks_covered(start.lease, done[0]))
+            beat.t_step_s = info.step_s
+            progress.step(info, beat)
+
+        state = run_inner_phase(
+            trainer, self.store.windows, windows, schedule=LRSchedule(**start.schedule),
+            global_step=start.global_step, state=state, window_limit=limit, on_step=on_step,
+            checkpoint=lambda s: self._save(self._cursor(round_no, start, s, "training")),
+            checkpoint_every=self.s.checkpoint_every,
+        )  # fmt: skip
+        if self.ranks.main:
+            log.info(
+                "%s trained %d steps on %d/%d windows, %d tokens in %.1fs",
+                prefix(self.s.site, round_no), state.steps, state.windows, len(windows),
+                state.tokens, state.compute_s,
+            )  # fmt: skip
+        return state
+
+
+class _Progress:
+    """A phase's progress lines (rank 0): the terminal's every ``log_every`` steps, the log's."""
+
+    def __init__(
+        self, runner: SiteRunner, round_no: int, tokens0: int, windows: int, lease: dict
+    ) -> None:
+        self.r, self.round_no, self.tokens0, self.windows = runner, round_no, tokens0, windows
+        self.steps = -(-windows // runner.s.inner.windows_per_step)  # this phase's steps
+        self.started = time.perf_counter()
+
+    def step(self, info: StepInfo, beat: Beat) -> None:
+        r = self.r
+        if not r.ranks.main:
+            return
+        if info.step % r.s.log_every and info.windows_done < self.windows:
+            return
+        elapsed = max(1e-9, time.perf_counter() - self.started)
+        tokens_per_s = (info.tokens - self.tokens0) / elapsed
+        rate = mfu(tokens_per_s, r.flops_per_token, r.device, r.ranks.world)
+        CONSOLE.info(
+            step_line(
+                r.s.site,
+                self.round_no,
+                r.s.rounds,
+                info.step,
+                self.steps,
+                info.loss,
+                tokens_per_s,
+                rate,
+            )  # fmt: skip
+        )
+        log.info(
+            "%s step %d (global %d) loss %.4f lr %.2e %.0f tok/s lease %d/%d blocks",
+            prefix(r.s.site, self.round_no), info.step, info.global_step, info.loss, info.lr,
+            tokens_per_s, beat.consumed, beat.allowed_blocks,
+        )  # fmt: skip
+
+
+def out_of_time(stop_at: float | None, step_s: float | None) -> bool:
+    """Whether another step of ``step_s`` seconds would end after ``stop_at`` (epoch s)."""
+    return stop_at is not None and time.time() + (step_s or 0.0) > stop_at
+
+
+def block_end(sizes: list[int], windows_done: int) -> int:
+    """Windows up to the end of the block in progress after ``windows_done`` (block sizes in
+    lease order): where a phase can stop without leaving a block half trained."""
+    end = 0
+    for size in sizes:
+        if end >= windows_done:
+            break
+        end += size
+    return end
