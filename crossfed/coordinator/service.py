@@ -177,11 +177,7 @@ class Coordinator:
                 store.set_meta(self.conn, "spec", spec.to_dict())
                 store.set_meta(self.conn, "generation", 0)
                 store.set_meta(self.conn, "global_step", 0)
-                self.conn.execute(
-                    "INSERT INTO rounds (round_no, generation, status, opened_at, global_step) "
-                    "VALUES (1, 0, 'open', ?, 0)",
-                    (now,),
-                )
+                store.open_round(self.conn, 1, 0, now, 0)
             self._load(spec)
             return {"created": True, **self.status()}
 
@@ -276,29 +272,18 @@ class Coordinator:
                 path.unlink(missing_ok=True)
             elif path.name.startswith(".") and path.name.endswith(".tmp"):
                 path.unlink(missing_ok=True)  # left by a killed write (this merge is the only one)
-        merged = self.conn.execute(
-            "SELECT DISTINCT blob FROM deltas WHERE round_no <= ?", (closed_round,)
-        ).fetchall()
-        pending = self.conn.execute(
-            "SELECT DISTINCT blob FROM deltas WHERE round_no > ?", (closed_round,)
-        ).fetchall()
-        deleted = self.blobs.prune(
-            drop=[r["blob"] for r in merged],
-            keep=[r["blob"] for r in pending],
-            grace_s=BLOB_GRACE_S,
-        )
+        merged, pending = store.delta_blobs(self.conn, closed_round)
+        deleted = self.blobs.prune(drop=merged, keep=pending, grace_s=BLOB_GRACE_S)
         if deleted:
             with store.Transaction(self.conn):
-                self.conn.executemany(
-                    "DELETE FROM blob_holders WHERE blob = ?", [(k,) for k in deleted]
-                )
+                store.forget_blob_holders(self.conn, deleted)
 
     # ------------------------------------------------------------------ reads
     def current_round(self) -> dict[str, Any]:
-        row = self.conn.execute(
-            "SELECT * FROM rounds WHERE status = 'open' ORDER BY round_no DESC LIMIT 1"
-        ).fetchone()
-        return dict(row)
+        """The open round's row."""
+        row = store.current_round(self.conn)
+        assert row is not None, "a run always has an open round"
+        return row
 
     def round_info(self, round_no: int) -> dict[str, Any]:
         with self.lock:
@@ -345,20 +330,14 @@ class Coordinator:
         """The site whose accepted delta is blob ``key`` (canonical ``algo:hex``), if any."""
         forms = [key, key.removeprefix("sha256:")]  # SHA-256 keys may be stored bare
         with self.lock:
-            row = self.conn.execute(
-                "SELECT site FROM deltas WHERE blob IN (?, ?) LIMIT 1", forms
-            ).fetchone()
-        return row["site"] if row else None
+            return store.delta_owner(self.conn, forms)
 
     def blob_holders(self, key: str) -> set[str]:
         """Sites that may see blob ``key``: those that uploaded it and the one whose accepted
         delta it is. Empty for a blob no site holds (never uploaded over the API)."""
         key = check_key(key)
         with self.lock:
-            rows = self.conn.execute(
-                "SELECT site FROM blob_holders WHERE blob = ?", (key,)
-            ).fetchall()
-        holders = {r["site"] for r in rows}
+            holders = store.blob_holders(self.conn, key)
         owner = self.delta_site(key)
         return holders | {owner} if owner is not None else holders
 
@@ -367,9 +346,7 @@ class Coordinator:
         restarted coordinator still lets it resume)."""
         key = check_key(key)
         with self.lock, store.Transaction(self.conn):
-            self.conn.execute(
-                "INSERT OR IGNORE INTO blob_holders (blob, site) VALUES (?, ?)", (key, site)
-            )
+            store.add_blob_holder(self.conn, key, site)
 
     def _may_use_blob(self, site: str | None, key: str) -> bool:
         """Whether ``site`` (None: the admin) may see or submit blob ``key``."""
@@ -381,26 +358,18 @@ class Coordinator:
     def sites_view(self) -> list[dict[str, Any]]:
         """Registered sites: ranks, RTT, last step time and when they were last heard from."""
         with self.lock:
-            rows = self.conn.execute(
-                "SELECT site, ranks, rtt_ms, t_step_s, last_seen FROM sites ORDER BY site"
-            ).fetchall()
-            return [dict(r) for r in rows]
+            return store.sites(self.conn)
 
     def round_history(self) -> list[dict[str, Any]]:
         """Closed rounds in order: the merge report's figures and each contributor's loss."""
         with self.lock:
             self._require_run()
-            losses: dict[int, dict[str, float | None]] = {}
-            for row in self.conn.execute("SELECT round_no, site, loss FROM deltas"):
-                losses.setdefault(row["round_no"], {})[row["site"]] = row["loss"]
+            losses = store.delta_losses(self.conn)
             history = []
-            for row in self.conn.execute(
-                "SELECT round_no, report FROM rounds WHERE status = 'closed' ORDER BY round_no"
-            ):
-                report = json.loads(row["report"]) if row["report"] else {}
+            for round_no, report in store.closed_reports(self.conn):
                 history.append(
                     {
-                        "round": row["round_no"],
+                        "round": round_no,
                         "generation": report.get("generation"),
                         "reason": report.get("reason"),
                         "contributors": report.get("contributors", []),
@@ -408,7 +377,7 @@ class Coordinator:
                         "global_step": report.get("global_step"),
                         "loss": report.get("loss"),
                         "merge_s": report.get("merge_s"),
-                        "site_loss": losses.get(row["round_no"], {}),
+                        "site_loss": losses.get(round_no, {}),
                     }
                 )
             return history
@@ -442,18 +411,10 @@ class Coordinator:
             now = self.clock()
             with self._mutation():
                 self._event("register", {"site": site, "now": now})
-                self.conn.execute(
-                    "INSERT INTO sites (site, ranks, rtt_ms, last_seen) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT(site) DO UPDATE SET ranks = excluded.ranks, "
-                    "rtt_ms = COALESCE(excluded.rtt_ms, rtt_ms), last_seen = excluded.last_seen",
-                    (site, ranks, rtt_ms, now),
-                )
+                store.upsert_site(self.conn, site, ranks, rtt_ms, now)
                 if round_no is not None and round_no == self.current_round()["round_no"]:
                     # an announcement: this site means to lease in the open round
-                    self.conn.execute(
-                        "UPDATE sites SET joined_round = ?, joined_at = ? WHERE site = ?",
-                        (round_no, now, site),
-                    )
+                    store.announce_site(self.conn, site, round_no, now)
             return {
                 "site": site,
                 "n_windows": spec.n_windows,
@@ -475,7 +436,7 @@ class Coordinator:
         and commits never do.
         """
         if not fsync:
-            self.conn.execute("PRAGMA synchronous=NORMAL")
+            store.set_synchronous(self.conn, full=False)
         try:
             with store.Transaction(self.conn):
                 yield
@@ -488,7 +449,7 @@ class Coordinator:
             raise
         finally:
             if not fsync:
-                self.conn.execute("PRAGMA synchronous=FULL")
+                store.set_synchronous(self.conn, full=True)
 
     def _event(self, op: str, args: dict[str, Any]) -> Any:
         """Apply one DARL command to the lease book and record it (inside a transaction); every
@@ -574,10 +535,7 @@ class Coordinator:
                 )
             if n_blocks < 1:
                 raise CoordinatorError(422, "bad_size", f"n_blocks must be >= 1, got {n_blocks}")
-            submitted = self.conn.execute(
-                "SELECT 1 FROM deltas WHERE round_no = ? AND site = ?", (round_no, site)
-            ).fetchone()
-            if submitted:
+            if store.has_delta(self.conn, round_no, site):
                 raise CoordinatorError(
                     409,
                     "already_contributed",
@@ -598,17 +556,9 @@ class Coordinator:
                         lease = self._event(
                             "steal", {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
                         )
-                    self.conn.execute(
-                        "UPDATE sites SET t_step_s = COALESCE(?, t_step_s), "
-                        "rtt_ms = COALESCE(?, rtt_ms), last_seen = ? WHERE site = ?",
-                        (t_step_s, rtt_ms, now, site),
-                    )
+                    store.site_seen(self.conn, site, now, t_step_s=t_step_s, rtt_ms=rtt_ms)
                     if lease is not None:
-                        self.conn.execute(
-                            "UPDATE rounds SET first_lease_at = COALESCE(first_lease_at, ?) "
-                            "WHERE round_no = ?",
-                            (now, round_no),
-                        )
+                        store.mark_first_lease(self.conn, round_no, now)
             except LeaseError as exc:
                 raise CoordinatorError.of_lease(409, exc) from exc
             if lease is None:
@@ -635,8 +585,7 @@ class Coordinator:
             self._check_site(site)
             self._measure_rtt(site, echo, echo_held_s)
             now = self.clock()
-            row = self.conn.execute("SELECT rtt_ms FROM sites WHERE site = ?", (site,)).fetchone()
-            ttl = self._ttl(site, t_step_s, row["rtt_ms"] if row else None)
+            ttl = self._ttl(site, t_step_s, store.site_rtt_ms(self.conn, site))
             try:
                 with self._mutation(fsync=False):
                     lease = self._event(
@@ -649,11 +598,7 @@ class Coordinator:
                             "ttl_s": ttl,
                         },
                     )
-                    self.conn.execute(
-                        "UPDATE sites SET t_step_s = COALESCE(?, t_step_s), last_seen = ? "
-                        "WHERE site = ?",
-                        (t_step_s, now, site),
-                    )
+                    store.site_seen(self.conn, site, now, t_step_s=t_step_s)
             except LeaseError as exc:
                 raise CoordinatorError.of_lease(409, exc) from exc
             return {
@@ -734,23 +679,19 @@ class Coordinator:
                         lease.start : lease.start + consumed
                     ].tolist()
                     self.ledger.record_commit_blocks(lease.epoch, site, lease_id, blocks)
-                    self.conn.execute(
-                        "INSERT INTO deltas (lease_id, round_no, site, generation, tokens, steps, "
-                        "consumed, blob, loss, compute_s, accepted_at) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (
-                            lease_id,
-                            round_no,
-                            site,
-                            generation,
-                            tokens,
-                            steps,
-                            consumed,
-                            blob,
-                            loss,
-                            compute_s,
-                            now,
-                        ),
+                    store.add_delta(
+                        self.conn,
+                        lease_id=lease_id,
+                        round_no=round_no,
+                        site=site,
+                        generation=generation,
+                        tokens=tokens,
+                        steps=steps,
+                        consumed=consumed,
+                        blob=blob,
+                        loss=loss,
+                        compute_s=compute_s,
+                        accepted_at=now,
                     )
                     if self.book.epoch_complete():
                         self._event("next_epoch", {"now": now})
@@ -799,9 +740,7 @@ class Coordinator:
         stale delta's lease is released (its blocks return to the pool). Holds the lock."""
         self._check_site(site)
         assert self.book is not None
-        previous = self.conn.execute(
-            "SELECT * FROM deltas WHERE lease_id = ?", (lease_id,)
-        ).fetchone()
+        previous = store.delta_of_lease(self.conn, lease_id)
         if previous is not None:
             # a resend after a crash repeats the checkpointed request exactly; anything
             # else on a used lease is a forged or altered replay and changes nothing
@@ -916,11 +855,8 @@ class Coordinator:
                 return None  # a merge in another thread is closing this round
             deltas = store.round_deltas(self.conn, current["round_no"])
             active = self.book.active_sites(current["round_no"])
-            announced = self.conn.execute(
-                "SELECT COUNT(*) FROM sites WHERE joined_round = ? AND joined_at > ? "
-                "AND site NOT IN (SELECT site FROM deltas WHERE round_no = ?)",
-                (current["round_no"], now - self.spec.rounds.join_window_s, current["round_no"]),
-            ).fetchone()[0]
+            since = now - self.spec.rounds.join_window_s
+            announced = store.announced_sites(self.conn, current["round_no"], since)
             announced -= len(set(active))
             reason = close_decision(
                 opened_at=current["opened_at"],
@@ -994,19 +930,11 @@ class Coordinator:
             "loss": _weighted_loss(deltas),
         }
         with store.Transaction(self.conn):
-            self.conn.execute(
-                "UPDATE rounds SET status = 'closed', closed_at = ?, close_reason = ?, report = ? "
-                "WHERE round_no = ?",
-                (now, reason, json.dumps(summary), current["round_no"]),
-            )
+            store.close_round(self.conn, current["round_no"], now, reason, summary)
             store.set_meta(self.conn, f"global_digest:{generation}", digest)
             store.set_meta(self.conn, "generation", generation)
             store.set_meta(self.conn, "global_step", global_step)
-            self.conn.execute(
-                "INSERT INTO rounds (round_no, generation, status, opened_at, global_step) "
-                "VALUES (?, ?, 'open', ?, ?)",
-                (current["round_no"] + 1, generation, now, global_step),
-            )
+            store.open_round(self.conn, current["round_no"] + 1, generation, now, global_step)
         self.generation = generation
         crash_point("after_close_commit")
         self._retain(generation, current["round_no"])
@@ -1032,7 +960,7 @@ def claim_windows(space: BlockSpace, lease: Lease, consumed: int) -> int:
 
 def _ledger_records(conn: Any, ledger: LedgerStore, book: LeaseBook) -> list[dict[str, Any]]:
     """Table 3 as JSON records, with ranks and RTT from the sites table."""
-    rows = conn.execute("SELECT site, ranks, rtt_ms FROM sites").fetchall()
+    rows = store.sites(conn)
     frame = ledger.table3(
         book, {r["site"]: r["ranks"] for r in rows}, {r["site"]: r["rtt_ms"] for r in rows}
     )
@@ -1076,10 +1004,8 @@ def read_status(state_dir: Path) -> dict[str, Any]:
         space = BlockSpace(run.n_windows, run.block_size, run.data_seed)
         book = LeaseBook(space.n_blocks)
         LedgerStore(conn).replay(book)
-        current = conn.execute(
-            "SELECT round_no, generation FROM rounds WHERE status = 'open' "
-            "ORDER BY round_no DESC LIMIT 1"
-        ).fetchone()
+        current = store.current_round(conn)
+        assert current is not None, f"{path}: a run always has an open round"
         leases = []
         for lease in book.active_leases():
             leases.append(

@@ -80,6 +80,11 @@ class Transaction:
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
+def set_synchronous(conn: sqlite3.Connection, *, full: bool) -> None:
+    """Commits fsync the WAL (``full``) or only hand it to the OS (NORMAL)."""
+    conn.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
+
+
 def get_meta(conn: sqlite3.Connection, key: str, default: Any = None) -> Any:
     row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
     return json.loads(row[0]) if row else default
@@ -107,3 +112,194 @@ def round_deltas(conn: sqlite3.Connection, round_no: int) -> list[dict]:
         "SELECT * FROM deltas WHERE round_no = ? ORDER BY lease_id", (round_no,)
     ).fetchall()
     return [dict(r) for r in rows]
+
+
+# ---------------------------------------------------------------------- rounds
+def open_round(
+    conn: sqlite3.Connection, round_no: int, generation: int, opened_at: float, global_step: int
+) -> None:
+    """Open round ``round_no`` on ``generation`` (inside the caller's transaction)."""
+    conn.execute(
+        "INSERT INTO rounds (round_no, generation, status, opened_at, global_step) "
+        "VALUES (?, ?, 'open', ?, ?)",
+        (round_no, generation, opened_at, global_step),
+    )
+
+
+def current_round(conn: sqlite3.Connection) -> dict | None:
+    """The open round's row (the newest if several), or None before a run exists."""
+    row = conn.execute(
+        "SELECT * FROM rounds WHERE status = 'open' ORDER BY round_no DESC LIMIT 1"
+    ).fetchone()
+    return dict(row) if row is not None else None
+
+
+def mark_first_lease(conn: sqlite3.Connection, round_no: int, now: float) -> None:
+    """Record when round ``round_no`` granted its first lease (once)."""
+    conn.execute(
+        "UPDATE rounds SET first_lease_at = COALESCE(first_lease_at, ?) WHERE round_no = ?",
+        (now, round_no),
+    )
+
+
+def close_round(
+    conn: sqlite3.Connection, round_no: int, closed_at: float, reason: str, report: dict
+) -> None:
+    """Mark round ``round_no`` closed with its merge report."""
+    conn.execute(
+        "UPDATE rounds SET status = 'closed', closed_at = ?, close_reason = ?, report = ? "
+        "WHERE round_no = ?",
+        (closed_at, reason, json.dumps(report), round_no),
+    )
+
+
+def closed_reports(conn: sqlite3.Connection) -> list[tuple[int, dict]]:
+    """Each closed round's number and merge report ({} when none), in round order."""
+    rows = conn.execute(
+        "SELECT round_no, report FROM rounds WHERE status = 'closed' ORDER BY round_no"
+    ).fetchall()
+    return [(r["round_no"], json.loads(r["report"]) if r["report"] else {}) for r in rows]
+
+
+# ---------------------------------------------------------------------- sites
+def upsert_site(
+    conn: sqlite3.Connection, site: str, ranks: int, rtt_ms: float | None, now: float
+) -> None:
+    """Register ``site`` or update its ranks, RTT (when given) and last contact."""
+    conn.execute(
+        "INSERT INTO sites (site, ranks, rtt_ms, last_seen) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT(site) DO UPDATE SET ranks = excluded.ranks, "
+        "rtt_ms = COALESCE(excluded.rtt_ms, rtt_ms), last_seen = excluded.last_seen",
+        (site, ranks, rtt_ms, now),
+    )
+
+
+def announce_site(conn: sqlite3.Connection, site: str, round_no: int, now: float) -> None:
+    """``site`` means to lease in round ``round_no`` (registered for it at ``now``)."""
+    conn.execute(
+        "UPDATE sites SET joined_round = ?, joined_at = ? WHERE site = ?", (round_no, now, site)
+    )
+
+
+def site_seen(
+    conn: sqlite3.Connection,
+    site: str,
+    now: float,
+    *,
+    t_step_s: float | None = None,
+    rtt_ms: float | None = None,
+) -> None:
+    """Last contact of ``site``, with its step time and RTT where it sent them."""
+    conn.execute(
+        "UPDATE sites SET t_step_s = COALESCE(?, t_step_s), rtt_ms = COALESCE(?, rtt_ms), "
+        "last_seen = ? WHERE site = ?",
+        (t_step_s, rtt_ms, now, site),
+    )
+
+
+def site_rtt_ms(conn: sqlite3.Connection, site: str) -> float | None:
+    """The RTT ``site`` last reported, if any."""
+    row = conn.execute("SELECT rtt_ms FROM sites WHERE site = ?", (site,)).fetchone()
+    return row["rtt_ms"] if row else None
+
+
+def sites(conn: sqlite3.Connection) -> list[dict]:
+    """Every registered site's ranks, RTT, step time and last contact, by name."""
+    rows = conn.execute(
+        "SELECT site, ranks, rtt_ms, t_step_s, last_seen FROM sites ORDER BY site"
+    ).fetchall()
+    return [dict(r) for r in rows]
+
+
+def announced_sites(conn: sqlite3.Connection, round_no: int, since: float) -> int:
+    """Sites that registered for round ``round_no`` after ``since`` and sent no delta to it."""
+    return conn.execute(
+        "SELECT COUNT(*) FROM sites WHERE joined_round = ? AND joined_at > ? "
+        "AND site NOT IN (SELECT site FROM deltas WHERE round_no = ?)",
+        (round_no, since, round_no),
+    ).fetchone()[0]
+
+
+# ---------------------------------------------------------------------- deltas
+def add_delta(
+    conn: sqlite3.Connection,
+    *,
+    lease_id: int,
+    round_no: int,
+    site: str,
+    generation: int,
+    tokens: int,
+    steps: int,
+    consumed: int,
+    blob: str,
+    loss: float | None,
+    compute_s: float | None,
+    accepted_at: float,
+) -> None:
+    """Record an accepted delta (inside the transaction that commits its blocks)."""
+    conn.execute(
+        "INSERT INTO deltas (lease_id, round_no, site, generation, tokens, steps, "
+        "consumed, blob, loss, compute_s, accepted_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            lease_id, round_no, site, generation, tokens, steps, consumed, blob, loss,
+            compute_s, accepted_at,
+        ),
+    )  # fmt: skip
+
+
+def delta_of_lease(conn: sqlite3.Connection, lease_id: int) -> dict | None:
+    """The delta lease ``lease_id`` carried, if it carried one."""
+    row = conn.execute("SELECT * FROM deltas WHERE lease_id = ?", (lease_id,)).fetchone()
+    return dict(row) if row is not None else None
+
+
+def has_delta(conn: sqlite3.Connection, round_no: int, site: str) -> bool:
+    """Whether ``site`` already contributed to round ``round_no``."""
+    row = conn.execute(
+        "SELECT 1 FROM deltas WHERE round_no = ? AND site = ?", (round_no, site)
+    ).fetchone()
+    return row is not None
+
+
+def delta_losses(conn: sqlite3.Connection) -> dict[int, dict[str, float | None]]:
+    """round -> site -> the loss its delta reported."""
+    losses: dict[int, dict[str, float | None]] = {}
+    for row in conn.execute("SELECT round_no, site, loss FROM deltas"):
+        losses.setdefault(row["round_no"], {})[row["site"]] = row["loss"]
+    return losses
+
+
+def delta_blobs(conn: sqlite3.Connection, through_round: int) -> tuple[list[str], list[str]]:
+    """Blob keys of the deltas of rounds up to ``through_round``, and of the later rounds."""
+    merged = conn.execute(
+        "SELECT DISTINCT blob FROM deltas WHERE round_no <= ?", (through_round,)
+    ).fetchall()
+    pending = conn.execute(
+        "SELECT DISTINCT blob FROM deltas WHERE round_no > ?", (through_round,)
+    ).fetchall()
+    return [r["blob"] for r in merged], [r["blob"] for r in pending]
+
+
+def delta_owner(conn: sqlite3.Connection, keys: list[str]) -> str | None:
+    """The site whose accepted delta is stored under any of ``keys`` (spellings of one blob)."""
+    marks = ", ".join("?" for _ in keys)
+    row = conn.execute(f"SELECT site FROM deltas WHERE blob IN ({marks}) LIMIT 1", keys).fetchone()
+    return row["site"] if row else None
+
+
+# ---------------------------------------------------------------------- blob uploaders
+def add_blob_holder(conn: sqlite3.Connection, key: str, site: str) -> None:
+    """``site`` uploads (or uploaded) blob ``key``."""
+    conn.execute("INSERT OR IGNORE INTO blob_holders (blob, site) VALUES (?, ?)", (key, site))
+
+
+def blob_holders(conn: sqlite3.Connection, key: str) -> set[str]:
+    """The sites that uploaded blob ``key``."""
+    rows = conn.execute("SELECT site FROM blob_holders WHERE blob = ?", (key,)).fetchall()
+    return {r["site"] for r in rows}
+
+
+def forget_blob_holders(conn: sqlite3.Connection, keys: list[str]) -> None:
+    """Drop the uploaders of deleted blobs."""
+    conn.executemany("DELETE FROM blob_holders WHERE blob = ?", [(k,) for k in keys])
