@@ -333,6 +333,62 @@ class Trainer:
         return torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
 
 
+class _LeaseReader:
+    """The lease's windows by position, remembering their length (for padding passes)."""
+
+    def __init__(self, read: Callable[[int, int], np.ndarray], lease: LeaseWindows) -> None:
+        self.read, self.lease, self.window_len = read, lease, 0
+
+    def __call__(self, lo: int, hi: int) -> np.ndarray:
+        windows = read_positions(self.read, self.lease, lo, hi)
+        self.window_len = windows.shape[1]
+        return windows
+
+    def length_at(self, position: int) -> int:
+        """Window length, read once at ``position`` when no window was read yet (a lease
+        smaller than its ranks pads before it reads)."""
+        if not self.window_len:
+            self.window_len = read_positions(self.read, self.lease, position, position + 1).shape[1]
+        return self.window_len
+
+
+class _LossQueue:
+    """Step losses the device may still be computing, read in one sync (every 256 steps)."""
+
+    def __init__(self, state: PhaseState) -> None:
+        self.state = state
+        self.queued: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.queued.append(loss)
+        if len(self.queued) >= 256:
+            self.settle()
+
+    def settle(self) -> None:
+        if self.queued:
+            self.state.losses.extend(torch.stack(self.queued).tolist())
+            self.queued.clear()
+
+
+def paced(step_s: float, config: InnerConfig) -> float:
+    """A step's seconds after the simulated slowdown and the minimum step time (sleeping)."""
+    if config.slowdown > 1.0:
+        time.sleep(step_s * (config.slowdown - 1.0))
+        step_s *= config.slowdown
+    if step_s < config.min_step_s:
+        time.sleep(config.min_step_s - step_s)
+        step_s = config.min_step_s
+    return step_s
+
+
+def _limited(plan: StepPlan, limit: int, state: PhaseState, config: InnerConfig) -> StepPlan | None:
+    """The step cut at the lease's current limit (a steal, the walltime); None: stop here."""
+    if plan.start + plan.n <= limit:
+        return plan
+    state.stopped_early = True
+    return None if limit <= plan.start else plan_step(plan.start, limit - plan.start, config)
+
+
 def run_inner_phase(
     trainer: Trainer,
     read: Callable[[int, int], np.ndarray],
@@ -354,82 +410,44 @@ def run_inner_phase(
     steal shrinks the lease and the phase stops exactly at the new limit, never past it.
     ``checkpoint(state)`` runs every ``checkpoint_every`` steps (0: never); its time is kept
     apart from compute.
+
+    Step time runs from one step's return to the next, so waiting for the device (a settle, a
+    logged loss) counts as compute wherever it happens, and the host never waits for a step
+    before queueing the next: on an accelerator the host runs at most the launch queue
+    ahead, so launch-to-launch time is the device's step time.
     """
     state = state or PhaseState()
     trainer.model.train()
-    total = len(lease)
-    window_len = [0]
-
-    def fetch(lo: int, hi: int) -> np.ndarray:
-        windows = read_positions(read, lease, lo, hi)
-        window_len[0] = windows.shape[1]
-        return windows
-
-    def len_of(position: int) -> int:  # a lease smaller than its ranks: read one to learn it
-        return read_positions(read, lease, position, position + 1).shape[1]
-
-    slowdown, min_step_s = trainer.config.slowdown, trainer.config.min_step_s
-    queued: list[torch.Tensor] = []  # step losses the device may still be computing
-
-    def settle() -> None:
-        """Wait for the queued steps and keep their losses (one sync for all of them)."""
-        if queued:
-            state.losses.extend(torch.stack(queued).tolist())
-            queued.clear()
-
-    # Step time runs from one step's return to the next, so waiting for the device (a
-    # settle, a logged loss) counts as compute wherever it happens, and the host never waits
-    # for a step before queueing the next: on an accelerator the host runs at most the
-    # launch queue ahead, so launch-to-launch time is the device's step time.
+    total, config = len(lease), trainer.config
+    windows, losses = _LeaseReader(read, lease), _LossQueue(state)
     mark = time.perf_counter()
-    for plan in plan_steps(total, trainer.config, start=state.windows):
-        limit = window_limit() if window_limit else total
-        if plan.start + plan.n > limit:
-            state.stopped_early = True
-            if limit <= plan.start:
-                break
-            plan = plan_step(plan.start, limit - plan.start, trainer.config)
+    for planned in plan_steps(total, config, start=state.windows):
+        plan = _limited(planned, window_limit() if window_limit else total, state, config)
+        if plan is None:
+            break
         lr = schedule.lr_at(global_step + state.steps)
-        first = plan.start
-        loss = trainer.step(plan, fetch, lr, lambda: window_len[0] or len_of(first))  # noqa: B023
-        step_s = time.perf_counter() - mark
-        if slowdown > 1.0:
-            time.sleep(step_s * (slowdown - 1.0))
-            step_s *= slowdown
-        if step_s < min_step_s:
-            time.sleep(min_step_s - step_s)
-            step_s = min_step_s
+        loss = trainer.step(plan, windows, lr, lambda: windows.length_at(plan.start))  # noqa: B023
+        step_s = paced(time.perf_counter() - mark, config)
         mark = time.perf_counter()
         state.steps += 1
         state.windows += plan.n
         state.compute_s += step_s
-        state.tokens += plan.n * (window_len[0] - 1)
-        queued.append(loss)
+        state.tokens += plan.n * (windows.window_len - 1)
+        losses.add(loss)
         if on_step:
-            on_step(
-                StepInfo(
-                    state.steps,
-                    global_step + state.steps,
-                    state.windows,
-                    loss,
-                    lr,
-                    step_s,
-                    state.tokens,
-                )
-            )
-        if len(queued) >= 256:
-            settle()
-        if checkpoint and checkpoint_every and state.steps % checkpoint_every == 0:
-            if state.windows < total and not state.stopped_early:
-                settle()
-                state.compute_s += time.perf_counter() - mark
-                t1 = time.perf_counter()
-                checkpoint(state)
-                mark = time.perf_counter()
-                state.checkpoint_s += mark - t1
+            info = (state.steps, global_step + state.steps, state.windows, loss, lr, step_s)
+            on_step(StepInfo(*info, state.tokens))
+        due = checkpoint_every and state.steps % checkpoint_every == 0
+        if checkpoint and due and state.windows < total and not state.stopped_early:
+            losses.settle()
+            state.compute_s += time.perf_counter() - mark
+            t1 = time.perf_counter()
+            checkpoint(state)
+            mark = time.perf_counter()
+            state.checkpoint_s += mark - t1
         if state.stopped_early:
             break
-    settle()
+    losses.settle()
     state.compute_s += time.perf_counter() - mark
     return state
 
