@@ -7,7 +7,7 @@ parameter on as run creation does (``value.float().contiguous()``), dropping it 
   one layer) in memory at a time, what ``Coordinator.init_run`` uses;
 * ``whole``: ``build_model`` then its parameters, the whole model in memory at once.
 
-Both draw the same tensors (tests/test_train_inner.py checks them bit for bit). Prints each
+Both draw the same tensors (tests/unit/test_train_inner.py checks them bit for bit). Prints each
 process's peak RSS (``ru_maxrss``), the model's fp32 size, and as its last line one JSON
 object with ``peak_rss_gib_stream``, ``peak_rss_gib_whole`` and ``ratio`` (stream / whole).
 

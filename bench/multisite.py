@@ -1,4 +1,4 @@
-"""The run as sites really run it, end to end: ``tests/test_multisite.py`` as a benchmark.
+"""The run as sites really run it, end to end: ``tests/e2e/test_multisite.py`` as a benchmark.
 
 One TLS coordinator, two sites (lumi, snellius) with their own checkout copies, tokens,
 Snakemake and Slurm 22.05 cluster each; a late join, a ``scancel`` mid-round, an
@@ -52,7 +52,7 @@ def main() -> int:
     # this one's while it runs (short, for the clusters' unix socket paths)
     base = Path(tempfile.gettempdir()) / "crossfed-multisite"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/test_multisite.py", "-q", "-s", "-p",
+        [sys.executable, "-m", "pytest", "tests/e2e/test_multisite.py", "-q", "-s", "-p",
          "no:cacheprovider", f"--basetemp={base}"],
         cwd=REPO, env={**os.environ, "CROSSFED_MULTISITE": "1"}, capture_output=True, text=True,
     )  # fmt: skip

@@ -2,7 +2,7 @@
 
 Reading a config or a run spec checks the flavour here, so a typo is refused before any job
 starts. ``crossfed.train.model.flavour_names`` builds the same list from torchtitan's registry;
-tests/test_config.py keeps the two equal.
+tests/unit/test_config.py keeps the two equal.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 #
 # Idempotent and non-interactive; packages already installed are skipped. Runs as root
 # (or through sudo when available). Services are not started by the install (a temporary
-# policy-rc.d denies it); the test fixture (tests/slurm_cluster.py) starts its own daemons
+# policy-rc.d denies it); the test fixture (tests/helpers/slurm_cluster.py) starts its own daemons
 # under a temporary directory.
 #
 # Usage: scripts/install-system-deps.sh [--no-chromium] [--dry-run]

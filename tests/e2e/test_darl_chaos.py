@@ -1,7 +1,7 @@
 """DARL under chaos: site processes and the coordinator SIGKILLed at random, late joins,
 delayed replies, steals; every block of the epoch must still be committed exactly once.
 
-Four site processes (tests/darl_chaos_site.py) at different speeds consume the tiny corpus
+Four site processes (tests/helpers/darl_chaos_site.py) at different speeds consume the tiny corpus
 in M = 128 blocks through the real HTTP coordinator, behind a proxy that holds back some
 replies longer than the sites' request timeout. The test checks exactly-once coverage in the
 audit table against what each site journalled as trained, and the Table 3 identities, and
@@ -32,7 +32,7 @@ from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.ledger import COMMITTED_TABLE
 from crossfed.train.windows import read_meta
 from tests.conftest import REPO, LiveCoordinator, start_process, tiny_spec
-from tests.test_coordinator_http import delta_file, global_model
+from tests.unit.test_coordinator_http import delta_file, global_model
 
 pytestmark = pytest.mark.slow
 
@@ -199,7 +199,7 @@ def test_exactly_once_under_chaos(tmp_path: Path, tiny_data: Path) -> None:
         for name in SITES:
             (work / f"{name}.token").write_text(secrets["sites"][name])
         with DelayProxy(port, fraction=0.03, max_delay_s=3.0, seed=SEED) as proxy:
-            base = [sys.executable, str(REPO / "tests" / "darl_chaos_site.py")]
+            base = [sys.executable, str(REPO / "tests" / "helpers" / "darl_chaos_site.py")]
             base += ["--url", f"http://127.0.0.1:{proxy.port}", "--digest", space.digest()]
             base += ["--delta", str(delta), "--timeout", "2", "--budget", "120"]
             for name in SITES:

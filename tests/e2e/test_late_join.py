@@ -27,9 +27,9 @@ from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import PROBE_COLUMNS
 from tests.conftest import LiveCoordinator, coordinator_keeping_every_model
 from tests.helpers.workflow import BIN, crossfed_cli, finish, snakemake, wait_for, workdir
-from tests.test_coordinator_http import delta_file, global_model, wait_round_closed
-from tests.test_security import cli_config
-from tests.test_site_views import close_round_one
+from tests.unit.test_coordinator_http import delta_file, global_model, wait_round_closed
+from tests.unit.test_security import cli_config
+from tests.unit.test_site_views import close_round_one
 
 LATE = 4  # the round the coordinator is at when snellius's workflow starts
 ROUNDS = LATE  # the run ends with the round snellius joins

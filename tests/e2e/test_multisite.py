@@ -22,8 +22,8 @@ At the end the ledger is exact, both sites hold every round's global model (byte
 the coordinator's) and a report that describes the whole run alike, no file of one site
 names the other's folder or token, and ``crossfed export`` gives the same model at both.
 
-The stand-ins, named as such: ``tests/standins/apptainer`` (lumi's jobs run the image's
-crossfed without a container; the image is a folder) and ``tests/standins/module``
+The stand-ins, named as such: ``tests/helpers/standins/apptainer`` (lumi's jobs run the image's
+crossfed without a container; the image is a folder) and ``tests/helpers/standins/module``
 (snellius's env-modules jobs load nothing). The test nodes have no GPU (``model.device:
 cpu``; the clusters' GPUs are gres files), and ``min_step_s`` paces the simulated steps.
 """
@@ -50,12 +50,17 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from slurm_cluster import PartitionSpec, SlurmTestCluster, SlurmUnavailable, skip_or_fail
 
 from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.coordinator.embedded import free_port
 from crossfed.darl.ledger import COMMITTED_TABLE
 from tests.helpers import workflow
+from tests.helpers.slurm_cluster import (
+    PartitionSpec,
+    SlurmTestCluster,
+    SlurmUnavailable,
+    skip_or_fail,
+)
 from tests.helpers.workflow import (
     BARE_PATH,
     VENV,

@@ -6,7 +6,7 @@ user's edits of the CHANGE-ME values are made the way a user makes them: the acc
 partitions and memory for the test cluster's nodes, the coordinator's URL, the image, and
 a tiny run (``model.device: cpu``, since the test nodes have no GPU). The commands of
 "3. Each site" then run literally with a ``PATH`` of ``/usr/bin:/bin`` and the stand-in for
-``apptainer`` only (tests/standins/apptainer runs the command without a container; its
+``apptainer`` only (tests/helpers/standins/apptainer runs the command without a container; its
 "image" is a folder whose ``bin/crossfed`` records each call), so nothing can find the
 venv's crossfed through ``PATH``. The coordinator of "1. The coordinator VM" runs from its
 own copy of the checkout: the README's secrets command and ``run init`` as written, the
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
 
 from crossfed.coordinator.embedded import free_port
+from tests.helpers.slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
 from tests.helpers.workflow import (
     BARE_PATH,
     VENV,

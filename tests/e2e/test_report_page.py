@@ -19,7 +19,7 @@ import pytest
 
 from crossfed.report import ROUND_PARTS, no_probes_reason, probe_history, round_phases
 from tests.helpers.workflow import crossfed_cli, finish, snakemake, workdir
-from tests.test_status_page import ARTIFACTS, chromium
+from tests.unit.test_status_page import ARTIFACTS, chromium
 
 pytestmark = pytest.mark.slow
 TABLES = {

@@ -1,6 +1,6 @@
 """The probe and sacct parsers against a real Slurm 22.05, whatever SLURM_TIME_FORMAT says.
 
-The cluster is the single-host one of tests/slurm_cluster.py, started here without taking
+The cluster is the single-host one of tests/helpers/slurm_cluster.py, started here without taking
 over /etc/slurm/slurm.conf (these commands need no inner srun), so it runs beside another
 test cluster on the same host. Every command gets SLURM_CONF explicitly.
 """
@@ -14,7 +14,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmTestCluster, SlurmUnavailable, free_ports, skip_or_fail
 
 from crossfed.sched.probe import (
     ProbeReason,
@@ -32,6 +31,7 @@ from crossfed.sched.sacct import (
     sacct_window_start,
     walltime_discount,
 )
+from tests.helpers.slurm_cluster import SlurmTestCluster, SlurmUnavailable, free_ports, skip_or_fail
 
 ISO = re.compile(r"to start at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d ")
 LUMI = SiteConfig(

@@ -10,7 +10,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from slurm_cluster import (
+
+from tests.helpers.slurm_cluster import (
     DATA_FILE,
     DEFAULT_PARTITIONS,
     TEST_ONLY_CASES,
@@ -128,7 +129,7 @@ def test_bad_partition_specs_are_rejected(kwargs: dict[str, object], message: st
 
 
 def test_missing_binaries_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("slurm_cluster.find_binary", lambda name: None)
+    monkeypatch.setattr("tests.helpers.slurm_cluster.find_binary", lambda name: None)
     with pytest.raises(SlurmUnavailable, match=r"missing .*slurmctld.*install-system-deps\.sh"):
         check_available()
 

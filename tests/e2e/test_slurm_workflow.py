@@ -1,6 +1,6 @@
 """End to end on a real Slurm 22.05: the workflow's Slurm profile drives two sites.
 
-The single-host test cluster (tests/slurm_cluster.py) has two GPU partitions with different
+The single-host test cluster (tests/helpers/slurm_cluster.py) has two GPU partitions with different
 walltime caps; each is one site: ``lumi`` runs 2-minute jobs, ``snellius`` 5-minute ones.
 Data preparation and evaluation jobs go to the CPU-only ``small`` partition.
 This host is the login node: the embedded coordinator listens on loopback and the Slurm
@@ -32,7 +32,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
 
 from crossfed.darl.ledger import EVENTS_TABLE
 from crossfed.report import probe_history
@@ -40,6 +39,7 @@ from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import read_probes
 from crossfed.sched.sacct import parse_sacct
 from tests.helpers import workflow
+from tests.helpers.slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
 from tests.helpers.workflow import (
     BIN,
     REPO,

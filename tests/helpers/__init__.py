@@ -1,0 +1,7 @@
+"""What the tests share: the workflow helper, the fake coordinator, the Slurm test cluster,
+the chaos tests' site process, stand-ins and captured data (README, "Tests")."""
+
+from pathlib import Path
+
+#: captured outputs the tests read (Slurm 22.05's sbatch and sacct among them)
+DATA = Path(__file__).resolve().parent / "data"

@@ -6,7 +6,7 @@ both fsynced) and only then submits the delta, which commits the blocks. A resta
 first resends a checkpointed but unconfirmed delta. Everything it does goes to journal.jsonl
 so the test can check coverage against what each site really trained.
 
-Run: python tests/darl_chaos_site.py --url URL --token-file F --site NAME --work DIR
+Run: python tests/helpers/darl_chaos_site.py --url URL --token-file F --site NAME --work DIR
 --digest HEX --delta PATH [--per-block S] [--want N] [--die before_checkpoint|after_checkpoint]
 """
 

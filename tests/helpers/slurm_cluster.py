@@ -12,7 +12,7 @@ Use it directly::
 
 or re-export the session fixture in a conftest.py::
 
-    from slurm_cluster import slurm_cluster  # noqa: F401
+    from tests.helpers.slurm_cluster import slurm_cluster  # noqa: F401
 
 Without the packages (see scripts/install-system-deps.sh) or without root, the fixture
 skips its tests with the reason, except under ``CI=true``, where it fails them.
@@ -941,12 +941,13 @@ def capture_sacct(cluster: SlurmTestCluster) -> list[Capture]:
 
 _HEADER = """\
 # Outputs of Slurm 22.05 (Debian 12 packages) captured from the live single-host test
-# cluster in tests/slurm_cluster.py, default layout: partition lumi (MaxTime=00:10:00,
+# cluster in tests/helpers/slurm_cluster.py, default layout: partition lumi (MaxTime=00:10:00,
 # nodes n1,n2, 8 GPUs of type mi250x each) and snellius (MaxTime=00:30:00, nodes n3,n4,
 # 4 GPUs of type h100 each), CPUs=2 per node, account crossfed. test_only_lumi_busy ran
 # while one job held both lumi nodes with -t 00:10:00.
 # Job ids, timestamps and elapsed times change from run to run; the rest is stable.
-# Regenerate: .venv/bin/python tests/slurm_cluster.py --capture tests/data/slurm_2205_outputs.txt
+# Regenerate: .venv/bin/python tests/helpers/slurm_cluster.py --capture
+#   tests/helpers/data/slurm_2205_outputs.txt
 # Format: lines starting with '#' before the first case are this header. Each case is
 # '=== <name>', '$ <command>', 'rc: <exit status>', then '--- stdout' and '--- stderr',
 # each followed by the stream verbatim (possibly empty, newline-terminated).
@@ -987,7 +988,7 @@ def parse_captures(text: str) -> dict[str, Capture]:
 
 
 def load_captures(path: Path = DATA_FILE) -> dict[str, Capture]:
-    """The captured outputs stored in ``path`` (tests/data/slurm_2205_outputs.txt)."""
+    """The captured outputs stored in ``path`` (tests/helpers/data/slurm_2205_outputs.txt)."""
     return parse_captures(path.read_text())
 
 

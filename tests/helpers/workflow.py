@@ -31,8 +31,8 @@ from crossfed.darl.ledger import COMMITTED_TABLE
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 VENV = BIN.parent
-#: stand-ins, named as such, for a site's `apptainer` and `module` (tests/standins)
-STANDINS = REPO / "tests" / "standins"
+#: stand-ins, named as such, for a site's `apptainer` and `module` (tests/helpers/standins)
+STANDINS = Path(__file__).resolve().parent / "standins"
 BARE_PATH = f"{STANDINS}:/usr/bin:/bin"  # a login shell's PATH with the stand-ins: no venv
 
 #: every local workflow a test started, with its directory: reaped when the test ends

@@ -20,8 +20,8 @@ from crossfed.darl.blockspace import BlockSpace
 from crossfed.train.windows import read_meta
 from crossfed.wire.digests import digest_file
 from tests.conftest import LiveCoordinator
-from tests.test_coordinator_http import delta_file, global_model, join_and_lease, submit
-from tests.test_fuzz import run_state
+from tests.unit.test_coordinator_http import delta_file, global_model, join_and_lease, submit
+from tests.unit.test_fuzz import run_state
 
 SEQ_LEN = 32  # tiny_data's windows
 BLOCK = 8  # tiny_spec's block size

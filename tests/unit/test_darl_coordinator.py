@@ -21,7 +21,7 @@ from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.ledger import COMMITTED_TABLE
 from crossfed.train.windows import read_meta
 from tests.conftest import REPO, LiveCoordinator, tiny_spec
-from tests.test_coordinator_http import delta_file, global_model, wait_round_closed
+from tests.unit.test_coordinator_http import delta_file, global_model, wait_round_closed
 
 BLOCK = 4096  # big blocks: the tiny corpus is M = 14 of them
 
@@ -276,7 +276,7 @@ def run_site(live: LiveCoordinator, site: str, data: Path, work: Path, delta: Pa
     token.write_text(live.secrets["sites"][site])
     cmd = [
         sys.executable,
-        str(REPO / "tests" / "darl_chaos_site.py"),
+        str(REPO / "tests" / "helpers" / "darl_chaos_site.py"),
         "--url",
         live.url,
         "--token-file",

@@ -28,7 +28,7 @@ from crossfed.wire.codecs import open_delta
 from crossfed.wire.digests import digest_file
 from crossfed.wire.tensors import StreamWriter
 from tests.conftest import LiveCoordinator, staged_delta
-from tests.test_coordinator_http import (
+from tests.unit.test_coordinator_http import (
     committed_rows,
     delta_file,
     global_model,

@@ -33,7 +33,7 @@ from crossfed.coordinator.embedded import ensure_secrets, free_port
 from crossfed.coordinator.guards import StatusCounter, StatusStats
 from crossfed.coordinator.runspec import LeasePolicy
 from tests.conftest import SITES, LiveCoordinator, start_process, tiny_spec
-from tests.test_coordinator_http import (
+from tests.unit.test_coordinator_http import (
     delta_file,
     global_model,
     join_and_lease,

@@ -1,7 +1,7 @@
 """The coordinator's merge from files: generation g's state and the deltas in, g+1's files out.
 
 The streaming driver must give exactly what the in-memory Eq. 1 (``outer_step``, pinned
-against torch's SGD in tests/test_outer.py) gives; files in any tensor order must load alike;
+against torch's SGD in tests/unit/test_outer.py) gives; files in any tensor order must load alike;
 a bad state file is refused by name; and the merge's memory must not grow with the model.
 """
 
@@ -31,7 +31,7 @@ from crossfed.wire.codecs import open_delta, save_delta
 from crossfed.wire.digests import digest_file
 from crossfed.wire.tensors import StreamWriter, TensorFile, TensorSpec, save_tensors, stream_writer
 from tests.conftest import digest_of, staged_delta
-from tests.test_outer import SHAPES  # the same tensor shapes as Eq. 1's pinned tests
+from tests.unit.test_outer import SHAPES  # the same tensor shapes as Eq. 1's pinned tests
 
 KERNELS = ["eager", pytest.param("fused", marks=pytest.mark.slow)]
 PIN = 2e-6

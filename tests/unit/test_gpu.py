@@ -25,7 +25,7 @@ from crossfed.train.inner import evaluate
 from crossfed.train.model import build_model, load_parameters
 from crossfed.train.windows import WindowStore
 from tests.conftest import LiveCoordinator
-from tests.test_site_inner import init, site_config
+from tests.unit.test_site_inner import init, site_config
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no GPU")
 

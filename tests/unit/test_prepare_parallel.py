@@ -32,7 +32,7 @@ from crossfed.train.prepare import PrepareError, prepare, request
 from crossfed.train.tokenizer import train_tokenizer
 from crossfed.train.windows import WindowStore
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 STORE_FILES = ("train.bin", "val.bin", "meta.json", "tokenizer.json")
 SMALL = dict(vocab_size=300, seq_len=16, val_fraction=0.05)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_spec
 
 from crossfed.config import ConfigError, load_run_config, load_sites
 from crossfed.coordinator.runspec import RunSpec, differences
@@ -20,8 +19,9 @@ from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
 from crossfed.site.loop import chain_continues
 from crossfed.train.schedule import LRSchedule
+from tests.conftest import tiny_spec
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_differences_name_every_changed_field(tiny_data: Path) -> None:

@@ -16,9 +16,9 @@ import yaml
 
 from crossfed.cli import main
 from crossfed.coordinator.service import read_ledger, read_status
-from tests.conftest import LiveCoordinator
-from tests.test_security import cli_config
-from tests.test_status_page import merge_round_one_and_lease_round_two
+from tests.conftest import REPO, LiveCoordinator
+from tests.unit.test_security import cli_config
+from tests.unit.test_status_page import merge_round_one_and_lease_round_two
 
 
 @pytest.fixture
@@ -131,8 +131,8 @@ def test_status_without_any_state_names_what_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    config = yaml.safe_load((Path(__file__).parent.parent / "config" / "config.yaml").read_text())
-    config["sites_file"] = str(Path(__file__).parent.parent / "config" / "sites.yaml")
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["sites_file"] = str(REPO / "config" / "sites.yaml")
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     assert main(["status"]) == 1

@@ -15,7 +15,7 @@ from crossfed.sched.cli import add_parsers
 from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import read_probes
 
-SCENARIOS = Path(__file__).resolve().parents[1] / "config" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[2] / "config" / "scenarios"
 
 SITES = """
 sites:

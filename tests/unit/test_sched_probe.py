@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 import yaml
@@ -30,6 +29,7 @@ from crossfed.sched.probe import (
     write_probes,
 )
 from crossfed.sched.slurm_messages import ADVICE, Advice, advice_for
+from tests.helpers import DATA
 
 NOW = datetime(2026, 11, 29, 16, 0, 0)
 OK_STDERR = (
@@ -272,7 +272,7 @@ def test_sites_file_errors(tmp_path) -> None:
 # ----------------------------------------------------------------------------- Slurm 22.05-25.11
 
 SLURM_DATA = yaml.safe_load(
-    (Path(__file__).parent / "data" / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text()
+    (DATA / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text()
 )
 GENERIC_POLICY = (
     "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)"

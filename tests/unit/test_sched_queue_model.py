@@ -14,7 +14,7 @@ from crossfed.sched.queue_model import (
     simulate,
 )
 
-SCENARIOS = Path(__file__).resolve().parents[1] / "config" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[2] / "config" / "scenarios"
 REL = 0.02
 
 # Paper, Table 4: days to 100B; per site (wait h, active h, jobs, tokens B).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime, timedelta, timezone
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -24,6 +23,7 @@ from crossfed.sched.sacct import (
     per_gpu_rates,
     walltime_discount,
 )
+from tests.helpers import DATA
 
 
 @pytest.mark.parametrize(
@@ -160,7 +160,7 @@ def test_load_job_log_errors(tmp_path) -> None:
 # ----------------------------------------------------------------------------- SLURM_TIME_FORMAT
 
 SLURM_DATA = yaml.safe_load(
-    (Path(__file__).parent / "data" / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text()
+    (DATA / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text()
 )
 
 

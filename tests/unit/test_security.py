@@ -22,7 +22,7 @@ from crossfed.coordinator.service import Coordinator
 from crossfed.coordinator.status_page import session_value
 from crossfed.wire.digests import digest_file
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec
-from tests.test_coordinator_http import delta_file, global_model, join_and_lease, submit
+from tests.unit.test_coordinator_http import delta_file, global_model, join_and_lease, submit
 
 BIN = Path(sys.executable).parent
 

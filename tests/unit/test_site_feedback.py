@@ -23,7 +23,7 @@ from crossfed.site import SiteRunner, SiteSettings
 from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
 from tests.conftest import REPO, LiveCoordinator, write_yaml
-from tests.test_site_inner import init, site_config
+from tests.unit.test_site_inner import init, site_config
 
 
 def feedback_config(tmp_path: Path, live: LiveCoordinator, data: Path, **inner) -> Path:

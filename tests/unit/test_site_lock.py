@@ -14,7 +14,7 @@ import pytest
 
 from crossfed.site.lock import LOCK_NAME, SiteBusy, hold_site_folder
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HOLD = (
     "import sys, time; from pathlib import Path; from crossfed.site.lock import hold_site_folder;"
     "hold_site_folder(Path(sys.argv[1]), wait_s=float(sys.argv[2])); print('held', flush=True);"

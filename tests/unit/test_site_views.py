@@ -20,14 +20,14 @@ import yaml
 
 from crossfed.report import contributions, round_table
 from tests.conftest import LiveCoordinator, coordinator_keeping_every_model, tiny_spec
-from tests.test_coordinator_http import (
+from tests.unit.test_coordinator_http import (
     delta_file,
     global_model,
     join_and_lease,
     submit,
     wait_round_closed,
 )
-from tests.test_security import cli_config
+from tests.unit.test_security import cli_config
 
 BIN = Path(sys.executable).parent
 

@@ -14,7 +14,7 @@ import pytest
 from crossfed.coordinator.status_page import COOKIE, page_state, session_value, state_json
 from tests.conftest import REPO, LiveCoordinator
 from tests.helpers.fake_coordinator import FakeCoordinator
-from tests.test_coordinator_http import (
+from tests.unit.test_coordinator_http import (
     delta_file,
     global_model,
     join_and_lease,

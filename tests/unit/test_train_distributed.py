@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from crossfed.train.distributed import DistributedError, torchrun_argv
 from crossfed.train.inner import LeaseWindows
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RANGES = [(0, 20), (300, 311), (64, 72)]  # 39 windows: 4 steps of 12, the last one short (3)
 
 
