@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import secrets
 import threading
@@ -26,7 +27,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from crossfed.compress import open_delta
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobStore, check_key
 from crossfed.coordinator.faults import crash_point
@@ -49,7 +49,8 @@ from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
 from crossfed.darl.ledger import CHECKPOINT_EVERY, LedgerError, LedgerStore, apply_event
 from crossfed.outer import DeltaError, OuterStepReport, validate_delta, warm_up
-from crossfed.transport import digest_file
+from crossfed.wire.codecs import open_delta
+from crossfed.wire.digests import digest_file
 
 log = logging.getLogger("crossfed.coordinator")
 BLOB_GRACE_S = 3600.0  # an uploaded blob no delta refers to is deleted after this long
@@ -57,6 +58,9 @@ _MODEL_FILE = re.compile(r"^(master|global)-(\d{6,})\.safetensors$")
 MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
 PACE_LIVE_S = 3600.0  # sites seen within this long count towards the mean pace
 PACE_MAX_SCALE = 4.0  # a grant is at most this many times the requested phase
+#: set to 1, the merge holds the lock that leases and heartbeats wait on from start to commit
+#: (how the coordinator merged before): for bench/heartbeat_merge.py's "before" figures only
+MERGE_HOLDS_LOCK_ENV = "CROSSFED_MERGE_HOLDS_LOCK"
 RESEND_FIELDS = ("site", "blob", "round_no", "generation", "tokens", "steps", "consumed")
 T = TypeVar("T")
 
@@ -74,6 +78,16 @@ class CoordinatorError(Exception):
         return cls(status, exc.code, str(exc).removeprefix(f"{exc.code}: "))
 
 
+@contextmanager
+def lease_errors(status: int) -> Iterator[None]:
+    """``with lease_errors(409):`` a lease book refusal in the block is raised as a
+    :class:`CoordinatorError` with ``status``, its code and message kept."""
+    try:
+        yield
+    except LeaseError as exc:
+        raise CoordinatorError.of_lease(status, exc) from exc
+
+
 class Coordinator:
     """State of one run: global model, momentum, rounds and the DARL ledger."""
 
@@ -82,12 +96,26 @@ class Coordinator:
         state_dir: Path,
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] | None = None,
         keep_generations: int = 3,
         keep_models: int | None = None,
         ledger_checkpoint_every: int = CHECKPOINT_EVERY,
+        merge_holds_lock: bool | None = None,
     ) -> None:
+        """``clock`` stamps leases, rounds and sites; ``monotonic`` times durations (RTT
+        samples, the merge): ``time.perf_counter`` with the real clock, else ``clock``
+        itself, so a fake clock drives both. ``merge_holds_lock`` (default: the
+        ``CROSSFED_MERGE_HOLDS_LOCK`` environment variable) makes a merge hold the lock
+        throughout, as it once did; it exists for the heartbeat-during-merge benchmark and
+        its test, never for a run."""
         self.state_dir = state_dir
         self.clock = clock
+        if monotonic is None:
+            monotonic = time.perf_counter if clock is time.time else clock
+        self.monotonic = monotonic
+        if merge_holds_lock is None:
+            merge_holds_lock = os.environ.get(MERGE_HOLDS_LOCK_ENV, "") == "1"
+        self.merge_holds_lock = merge_holds_lock
         self.keep_generations = keep_generations
         #: bf16 global models kept (what sites download; 0: every generation), so a site that
         #: starts or resumes rounds behind still secures each round's model; the fp32 master
@@ -105,7 +133,7 @@ class Coordinator:
         self.shapes: dict[str, tuple[int, ...]] = {}  # the master's tensors, in file order
         self.generation = 0  # the committed generation whose files hold the state
         self._closing: int | None = None  # the round a merge is closing, outside the lock
-        self._echoes: dict[str, tuple[int, float]] = {}  # site -> (nonce, perf_counter at reply)
+        self._echoes: dict[str, tuple[int, float]] = {}  # site -> (nonce, monotonic at reply)
         self._rtt_ms: dict[str, float] = {}  # RTT the coordinator measured per site (smoothed)
         spec = store.get_meta(self.conn, "spec")
         if spec is not None:
@@ -475,7 +503,7 @@ class Coordinator:
     def _echo(self, site: str) -> int:
         """A nonce for the reply; the site returns it with its next heartbeat."""
         nonce = secrets.randbits(52)
-        self._echoes[site] = (nonce, time.perf_counter())
+        self._echoes[site] = (nonce, self.monotonic())
         return nonce
 
     def _measure_rtt(self, site: str, echo: int | None, held_s: float | None) -> None:
@@ -487,7 +515,7 @@ class Coordinator:
         sent = self._echoes.pop(site, None)
         if sent is None or echo is None or held_s is None or sent[0] != echo:
             return
-        sample = (time.perf_counter() - sent[1] - held_s) * 1000.0
+        sample = (self.monotonic() - sent[1] - held_s) * 1000.0
         sample = min(max(sample, 0.0), MAX_RTT_MS)
         old = self._rtt_ms.get(site)
         self._rtt_ms[site] = sample if old is None else 0.75 * old + 0.25 * sample
@@ -543,7 +571,7 @@ class Coordinator:
                 )
             now = self.clock()
             ttl = self._ttl(site, t_step_s, rtt_ms)
-            try:
+            with lease_errors(409):
                 size = self.book.grant_size(
                     site, n_blocks, now, live_s=PACE_LIVE_S, max_scale=PACE_MAX_SCALE
                 )
@@ -559,8 +587,6 @@ class Coordinator:
                     store.site_seen(self.conn, site, now, t_step_s=t_step_s, rtt_ms=rtt_ms)
                     if lease is not None:
                         store.mark_first_lease(self.conn, round_no, now)
-            except LeaseError as exc:
-                raise CoordinatorError.of_lease(409, exc) from exc
             if lease is None:
                 return {"lease": None, "reason": "pool_empty", "generation": current["generation"]}
             return {"lease": self._lease_view(lease), "generation": current["generation"]}
@@ -586,21 +612,18 @@ class Coordinator:
             self._measure_rtt(site, echo, echo_held_s)
             now = self.clock()
             ttl = self._ttl(site, t_step_s, store.site_rtt_ms(self.conn, site))
-            try:
-                with self._mutation(fsync=False):
-                    lease = self._event(
-                        "heartbeat",
-                        {
-                            "lease_id": lease_id,
-                            "site": site,
-                            "consumed": consumed,
-                            "now": now,
-                            "ttl_s": ttl,
-                        },
-                    )
-                    store.site_seen(self.conn, site, now, t_step_s=t_step_s)
-            except LeaseError as exc:
-                raise CoordinatorError.of_lease(409, exc) from exc
+            with lease_errors(409), self._mutation(fsync=False):
+                lease = self._event(
+                    "heartbeat",
+                    {
+                        "lease_id": lease_id,
+                        "site": site,
+                        "consumed": consumed,
+                        "now": now,
+                        "ttl_s": ttl,
+                    },
+                )
+                store.site_seen(self.conn, site, now, t_step_s=t_step_s)
             return {
                 "lease": self._lease_view(lease),
                 "round": self.current_round()["round_no"],
@@ -611,13 +634,10 @@ class Coordinator:
     def release(self, lease_id: int, site: str) -> dict[str, Any]:
         with self.lock:
             self._check_site(site)
-            try:
-                with self._mutation():
-                    returned = self._event(
-                        "release", {"lease_id": lease_id, "site": site, "now": self.clock()}
-                    )
-            except LeaseError as exc:
-                raise CoordinatorError.of_lease(409, exc) from exc
+            with lease_errors(409), self._mutation():
+                returned = self._event(
+                    "release", {"lease_id": lease_id, "site": site, "now": self.clock()}
+                )
             return {"lease_id": lease_id, "returned": returned}
 
     # ------------------------------------------------------------------ deltas
@@ -640,65 +660,36 @@ class Coordinator:
 
         ``by`` is the site whose token sent it (None: the admin): a site may submit only a
         blob it uploaded itself; anyone else's is, to it, a blob that does not exist.
+        Steps: the numbers, the blob's tensors (outside the lock), the lease and the claim
+        (:meth:`_vet`), the blob's verdict, then the commit (:meth:`_record`).
         """
         for name, value in (("loss", loss), ("compute_s", compute_s)):
             if value is not None and not math.isfinite(value):
                 raise CoordinatorError(422, "bad_number", f"{name} must be finite, got {value}")
-        # the delta check reads every tensor: done before taking the lock, so heartbeats and
-        # grants are not held up; it needs only the master's names and shapes, which never
-        # change. Its verdict is given where the checks below would have reached it.
-        checked, rejected = False, None
-        if self._require_run() and self.blobs.exists(blob):  # blobs are immutable by key
-            try:
-                self._validate_delta_blob(blob)
-            except CoordinatorError as exc:
-                rejected = exc
-            checked = True
+        checked, rejected = self._check_blob_unlocked(blob)
         with self.lock:
-            args = (site, round_no, lease_id, generation, tokens, steps, consumed, blob)
-            checked_lease = self._vet(*args)
-            if isinstance(checked_lease, dict):
-                return checked_lease  # the same delta again
-            lease = checked_lease
-            assert self.book is not None
+            vetted = self._vet(site, round_no, lease_id, generation, tokens, steps, consumed, blob)
+            if isinstance(vetted, dict):
+                return vetted  # the same delta again
             if not self.blobs.exists(blob) or not self._may_use_blob(by, blob):
                 raise CoordinatorError(404, "unknown_blob", f"no blob {blob}; upload it first")
             if not checked:  # it arrived while we were looking
                 self._validate_delta_blob(blob)
             if rejected is not None:
                 raise rejected
-            now = self.clock()
-            try:
-                with self._mutation():
-                    result = self._event(
-                        "commit",
-                        {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now},
-                    )
-                    assert self.space is not None
-                    blocks = self.space.permutation(lease.epoch)[
-                        lease.start : lease.start + consumed
-                    ].tolist()
-                    self.ledger.record_commit_blocks(lease.epoch, site, lease_id, blocks)
-                    store.add_delta(
-                        self.conn,
-                        lease_id=lease_id,
-                        round_no=round_no,
-                        site=site,
-                        generation=generation,
-                        tokens=tokens,
-                        steps=steps,
-                        consumed=consumed,
-                        blob=blob,
-                        loss=loss,
-                        compute_s=compute_s,
-                        accepted_at=now,
-                    )
-                    if self.book.epoch_complete():
-                        self._event("next_epoch", {"now": now})
-            except LeaseError as exc:
-                raise CoordinatorError.of_lease(409, exc) from exc
-            except LedgerError as exc:
-                raise CoordinatorError(409, "duplicate_commit", str(exc)) from exc
+            delta = {
+                "lease_id": lease_id,
+                "round_no": round_no,
+                "site": site,
+                "generation": generation,
+                "tokens": tokens,
+                "steps": steps,
+                "consumed": consumed,
+                "blob": blob,
+                "loss": loss,
+                "compute_s": compute_s,
+            }
+            result = self._record(vetted, delta)
             return {
                 "accepted": True,
                 "already": False,
@@ -706,6 +697,43 @@ class Coordinator:
                 "committed": result.committed,
                 "returned": result.returned,
             }
+
+    def _check_blob_unlocked(self, blob: str) -> tuple[bool, CoordinatorError | None]:
+        """Whether the delta check ran, and its refusal if it refused.
+
+        The check reads every tensor: it runs before the lock is taken, so heartbeats and
+        grants are not held up; it needs only the master's names and shapes, which never
+        change. :meth:`submit` gives its verdict where the lease checks would have reached
+        it (a blob not yet stored is checked under the lock instead).
+        """
+        if not (self._require_run() and self.blobs.exists(blob)):  # blobs are immutable by key
+            return False, None
+        try:
+            self._validate_delta_blob(blob)
+        except CoordinatorError as exc:
+            return True, exc
+        return True, None
+
+    def _record(self, lease: Lease, delta: dict[str, Any]) -> Any:
+        """Commit the lease's first ``consumed`` blocks and record ``delta`` (the deltas row
+        without its time) in one transaction; the next epoch starts when this one is done.
+        Holds the lock; returns the lease book's commit result."""
+        assert self.book is not None and self.space is not None
+        now = self.clock()
+        site, lease_id, consumed = delta["site"], delta["lease_id"], delta["consumed"]
+        try:
+            with lease_errors(409), self._mutation():
+                result = self._event(
+                    "commit", {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now}
+                )
+                blocks = self.space.permutation(lease.epoch)[lease.start : lease.start + consumed]
+                self.ledger.record_commit_blocks(lease.epoch, site, lease_id, blocks.tolist())
+                store.add_delta(self.conn, **delta, accepted_at=now)
+                if self.book.epoch_complete():
+                    self._event("next_epoch", {"now": now})
+        except LedgerError as exc:
+            raise CoordinatorError(409, "duplicate_commit", str(exc)) from exc
+        return result
 
     def vet_delta(
         self,
@@ -750,10 +778,8 @@ class Coordinator:
                     409, "lease_used", f"lease {lease_id} already carried a different delta"
                 )
             return {"accepted": True, "already": True, "round": previous["round_no"]}
-        try:
+        with lease_errors(404):
             lease = self.book.lease(lease_id)
-        except LeaseError as exc:
-            raise CoordinatorError.of_lease(404, exc) from exc
         if lease.site != site:
             raise CoordinatorError(403, "not_owner", f"lease {lease_id} belongs to another site")
         current = self.current_round()
@@ -870,6 +896,11 @@ class Coordinator:
             if reason is None:
                 return None
             self._closing = current["round_no"]
+            if self.merge_holds_lock:  # the old way, for the benchmark's "before" only
+                try:
+                    return self._close_round(current, deltas, reason)
+                finally:
+                    self._closing = None
         try:
             return self._close_round(current, deltas, reason)
         finally:
@@ -886,7 +917,7 @@ class Coordinator:
         attempt steps from generation g again.
         """
         assert self.spec is not None
-        started = time.perf_counter()
+        started = self.monotonic()
         generation = current["generation"] + 1
         paths = [self.blobs.path(d["blob"]) for d in deltas]
         tokens = [d["tokens"] for d in deltas]
@@ -898,7 +929,7 @@ class Coordinator:
             )  # fmt: skip
 
         digest, report, checkpoint_s = self._write_generation(generation, step, momentum=True)
-        merge_s = time.perf_counter() - started - checkpoint_s
+        merge_s = self.monotonic() - started - checkpoint_s
         with self.lock:
             return self._publish(current, deltas, reason, report, digest, merge_s, checkpoint_s)
 
