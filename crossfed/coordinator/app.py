@@ -11,8 +11,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -192,32 +192,10 @@ def create_app(
     resume at, a download is cut short); clients move weights in parts well below that. A
     JSON request whose body is not in by then is answered 408 (``BodyDeadline``).
     """
-    stop = threading.Event()
-
-    def ticker() -> None:
-        while not stop.wait(tick_s):
-            try:
-                coordinator.tick()
-            except Exception:  # keep serving; the next tick retries
-                log.exception("coordinator tick failed")
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        thread = threading.Thread(target=ticker, name="crossfed-tick", daemon=True)
-        thread.start()
-        # everything loaded so far lives as long as the server: keep it out of the cyclic
-        # collector, whose full passes over it stalled requests for hundreds of ms
-        gc.collect()
-        gc.freeze()
-        yield
-        gc.unfreeze()  # collectable again, so the interpreter's exit finalises them cleanly
-        stop.set()
-        thread.join(timeout=10)
-
     app = FastAPI(
         title="crossfed coordinator",
         version="1",
-        lifespan=lifespan,
+        lifespan=_ticking(coordinator, tick_s),
         # no OpenTelemetry here; left on, FastAPI looks up providers on every request
         telemetry={"tracing": False, "metrics": False, "logs": False},
         docs_url=None,
@@ -230,6 +208,55 @@ def create_app(
     app.add_middleware(AuthGate, identify=tokens.identify)
     app.add_middleware(StatusCounter, stats=stats)  # outermost: counts the guards' refusals too
     app.state.http_stats = stats
+    _add_error_handlers(app)
+    api = _Api(coordinator, tokens, max_blob_bytes, max_request_s)
+    add_ui_routes(
+        app,
+        coordinator,
+        tokens.admin,
+        lambda token: tokens.identify(token) == ADMIN,
+        stats.snapshot,
+    )
+    _add_run_routes(app, api, stats)
+    _add_lease_routes(app, api)
+    _add_blob_routes(app, api)
+    _add_delta_routes(app, api)
+    _with_run_spec_schema(app)
+    return app
+
+
+def _ticking(
+    coordinator: Coordinator, tick_s: float
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: a thread ticks ``coordinator`` every ``tick_s`` while it serves."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+
+        def ticker() -> None:
+            while not stop.wait(tick_s):
+                try:
+                    coordinator.tick()
+                except Exception:  # keep serving; the next tick retries
+                    log.exception("coordinator tick failed")
+
+        thread = threading.Thread(target=ticker, name="crossfed-tick", daemon=True)
+        thread.start()
+        # everything loaded so far lives as long as the server: keep it out of the cyclic
+        # collector, whose full passes over it stalled requests for hundreds of ms
+        gc.collect()
+        gc.freeze()
+        yield
+        gc.unfreeze()  # collectable again, so the interpreter's exit finalises them cleanly
+        stop.set()
+        thread.join(timeout=10)
+
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in one shape: ``{"error": <code>, "detail": <text>}``."""
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:
@@ -292,45 +319,110 @@ def create_app(
             content={"error": "out_of_range", "detail": f"a number is out of range: {exc}"},
         )
 
-    async def caller(authorization: Annotated[str | None, Header()] = None) -> str:
-        # async: a sync dependency would cost a thread-pool round trip on every request
-        token = bearer_token(authorization)
-        if token is None:
-            raise CoordinatorError(
-                401, "unauthenticated", "missing 'Authorization: Bearer <token>'"
-            )
-        who = tokens.identify(token)
-        if who is None:
-            raise CoordinatorError(401, "unauthenticated", "unknown token")
-        return who
 
-    Caller = Annotated[str, Depends(caller)]
+def as_site(who: str, site: str) -> None:
+    if who not in (ADMIN, site):
+        raise CoordinatorError(403, "forbidden", f"this token may not act for site {site!r}")
 
-    def as_site(who: str, site: str) -> None:
-        if who not in (ADMIN, site):
-            raise CoordinatorError(403, "forbidden", f"this token may not act for site {site!r}")
 
-    def as_admin(who: str) -> None:
-        if who != ADMIN:
-            raise CoordinatorError(403, "forbidden", "admin token required")
+def as_admin(who: str) -> None:
+    if who != ADMIN:
+        raise CoordinatorError(403, "forbidden", "admin token required")
 
-    async def run(fn, *args, **kwargs) -> Any:
-        return await asyncio.to_thread(fn, *args, **kwargs)
 
-    def own_view(who: str, reply: dict[str, Any]) -> dict[str, Any]:
-        """A site sees its own leases only; the admin sees all."""
-        if who == ADMIN or "active_leases" not in reply:
-            return reply
-        mine = [lease for lease in reply["active_leases"] if lease["site"] == who]
-        return {**reply, "active_leases": mine}
+def site_of(who: str) -> str | None:
+    return None if who == ADMIN else who
 
-    add_ui_routes(
-        app,
-        coordinator,
-        tokens.admin,
-        lambda token: tokens.identify(token) == ADMIN,
-        stats.snapshot,
-    )
+
+async def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn`` on a worker thread: the coordinator's methods block (the lock, SQLite)."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def own_view(who: str, reply: dict[str, Any]) -> dict[str, Any]:
+    """A site sees its own leases only; the admin sees all."""
+    if who == ADMIN or "active_leases" not in reply:
+        return reply
+    mine = [lease for lease in reply["active_leases"] if lease["site"] == who]
+    return {**reply, "active_leases": mine}
+
+
+class _Api:
+    """What the route groups share: the coordinator, the tokens (``caller``, the bearer
+    dependency) and the weight-transfer limits."""
+
+    def __init__(
+        self, coordinator: Coordinator, tokens: Tokens, max_blob_bytes: int, max_request_s: float
+    ) -> None:
+        self.coordinator, self.tokens = coordinator, tokens
+        self.max_blob_bytes, self.max_request_s = max_blob_bytes, max_request_s
+
+        async def caller(authorization: Annotated[str | None, Header()] = None) -> str:
+            # async: a sync dependency would cost a thread-pool round trip on every request
+            token = bearer_token(authorization)
+            if token is None:
+                raise CoordinatorError(
+                    401, "unauthenticated", "missing 'Authorization: Bearer <token>'"
+                )
+            who = tokens.identify(token)
+            if who is None:
+                raise CoordinatorError(401, "unauthenticated", "unknown token")
+            return who
+
+        self.caller = caller
+        #: the ``who`` parameter of every authenticated route
+        self.Caller = Annotated[str, Depends(caller)]
+
+    async def may_see_blob(self, who: str, key: str) -> None:
+        """A site sees the blobs it uploaded (and its accepted deltas'); the admin sees all."""
+        if who == ADMIN:
+            return
+        holders = await run(self.coordinator.blob_holders, key)
+        if holders and who not in holders:
+            raise CoordinatorError(403, "forbidden", f"blob {key} is another site's")
+
+    async def store_body(
+        self, who: str, key: str, request: Request, offset: int, total: int | None
+    ) -> dict[str, Any]:
+        """Write a request body into the blob store as ``who``. An upload a site starts is
+        recorded as its own before the first byte is kept; another site's blob may only be
+        sent again whole and byte for byte (then the sender holds it too), so a part of it
+        can never be probed or overwritten."""
+        coordinator = self.coordinator
+        holders = set() if who == ADMIN else await run(coordinator.blob_holders, key)
+        record_after = False
+        if who != ADMIN and who not in holders:
+            exists = coordinator.blobs.exists(key)
+            if holders and not exists:
+                raise CoordinatorError(403, "forbidden", f"blob {key} is another site's upload")
+            if holders and (offset != 0 or total not in (None, coordinator.blobs.size(key))):
+                raise CoordinatorError(
+                    403,
+                    "forbidden",
+                    f"blob {key} is another site's; only all of its bytes may be sent again",
+                )
+            if holders:
+                total = None  # the body must be the whole blob
+            if exists:
+                record_after = True
+            else:
+                await run(coordinator.hold_blob, key, who)
+        state = await coordinator.blobs.write_part(
+            key,
+            request.stream(),
+            offset=offset,
+            total=total,
+            max_bytes=self.max_blob_bytes,
+            deadline=time.monotonic() + self.max_request_s,
+        )
+        if record_after:
+            await run(coordinator.hold_blob, key, who)
+        return state
+
+
+def _add_run_routes(app: FastAPI, api: _Api, stats: StatusStats) -> None:
+    """Health, the run, its status and ledger, site registration, models and rounds."""
+    coordinator, Caller = api.coordinator, api.Caller
 
     @app.get("/v1/admin/http")
     async def http_counts(who: Caller) -> dict[str, Any]:
@@ -342,7 +434,7 @@ def create_app(
     async def health() -> dict[str, Any]:
         return {"ok": True, "run": coordinator.spec is not None}
 
-    run_spec_schema, run_spec_defs = _run_spec_schema()
+    run_spec_schema, _ = _run_spec_schema()
 
     @app.post(
         "/v1/run",
@@ -381,7 +473,7 @@ def create_app(
     async def model(generation: GENERATION, who: Caller) -> RangedFile:
         """Global bf16 weights; ``Range`` requests fetch them in parts (``X-Content-Digest``)."""
         path, digest = await run(coordinator.global_file, generation)
-        return RangedFile(path, digest, max_request_s)
+        return RangedFile(path, digest, api.max_request_s)
 
     @app.get("/v1/rounds/{round_no}")
     async def round_info(round_no: ROUND, who: Caller) -> dict[str, Any]:
@@ -393,6 +485,20 @@ def create_app(
         if who != ADMIN:  # a site sees its own deltas only
             info["deltas"] = [d for d in info["deltas"] if d["site"] == who]
         return info
+
+
+def _add_lease_routes(app: FastAPI, api: _Api) -> None:
+    """Grants, heartbeats and releases.
+
+    The heartbeat is served by two routes with one handler (``beat``): a plain Starlette
+    endpoint matched first for integer lease ids, and the FastAPI route, which documents it
+    in the OpenAPI schema and answers the ids the first does not match (a 422 in the usual
+    shape). The first skips FastAPI's per-request dependency and validation machinery on
+    the hottest path (every site, every few seconds); both give the same answers. Kept as
+    two: the FastAPI route alone answered a heartbeat in a median 0.57 ms against 0.39 ms
+    (in process over ASGI, 1,500 heartbeats each, interleaved).
+    """
+    coordinator, Caller = api.coordinator, api.Caller
 
     @app.post("/v1/leases")
     async def lease(body: LeaseBody, who: Caller) -> dict[str, Any]:
@@ -420,7 +526,7 @@ def create_app(
     async def heartbeat_fast(request: Request) -> JSONResponse:
         """The same route as a plain Starlette endpoint matched first: the same guards, checks
         and errors, without FastAPI's per-request dependency machinery (the hottest path)."""
-        who = await caller(request.headers.get("authorization"))
+        who = await api.caller(request.headers.get("authorization"))
         try:
             body = HeartbeatBody.model_validate_json(await request.body())
         except ValidationError as exc:
@@ -437,58 +543,15 @@ def create_app(
         as_site(who, body.site)
         return await run(coordinator.release, lease_id, body.site)
 
-    def site_of(who: str) -> str | None:
-        return None if who == ADMIN else who
 
-    async def may_see_blob(who: str, key: str) -> None:
-        """A site sees the blobs it uploaded (and its accepted deltas'); the admin sees all."""
-        if who == ADMIN:
-            return
-        holders = await run(coordinator.blob_holders, key)
-        if holders and who not in holders:
-            raise CoordinatorError(403, "forbidden", f"blob {key} is another site's")
-
-    async def store_body(
-        who: str, key: str, request: Request, offset: int, total: int | None
-    ) -> dict[str, Any]:
-        """Write a request body into the blob store as ``who``. An upload a site starts is
-        recorded as its own before the first byte is kept; another site's blob may only be
-        sent again whole and byte for byte (then the sender holds it too), so a part of it
-        can never be probed or overwritten."""
-        holders = set() if who == ADMIN else await run(coordinator.blob_holders, key)
-        record_after = False
-        if who != ADMIN and who not in holders:
-            exists = coordinator.blobs.exists(key)
-            if holders and not exists:
-                raise CoordinatorError(403, "forbidden", f"blob {key} is another site's upload")
-            if holders and (offset != 0 or total not in (None, coordinator.blobs.size(key))):
-                raise CoordinatorError(
-                    403,
-                    "forbidden",
-                    f"blob {key} is another site's; only all of its bytes may be sent again",
-                )
-            if holders:
-                total = None  # the body must be the whole blob
-            if exists:
-                record_after = True
-            else:
-                await run(coordinator.hold_blob, key, who)
-        state = await coordinator.blobs.write_part(
-            key,
-            request.stream(),
-            offset=offset,
-            total=total,
-            max_bytes=max_blob_bytes,
-            deadline=time.monotonic() + max_request_s,
-        )
-        if record_after:
-            await run(coordinator.hold_blob, key, who)
-        return state
+def _add_blob_routes(app: FastAPI, api: _Api) -> None:
+    """Blob uploads (whole or in parts), their state and ranged downloads."""
+    coordinator, Caller = api.coordinator, api.Caller
 
     @app.put(
         "/v1/blobs/{key}",
         status_code=201,
-        openapi_extra=_binary_body("the blob's bytes (or one part of them)", max_blob_bytes),
+        openapi_extra=_binary_body("the blob's bytes (or one part of them)", api.max_blob_bytes),
     )
     async def put_blob(
         key: BLOB_KEY,
@@ -501,23 +564,28 @@ def create_app(
 
         A blob is private to the site that uploads it. The same bytes again are answered
         as a finished upload; other bytes under a stored key are refused with 409."""
-        return await store_body(who, check_key(key), request, offset, total)
+        return await api.store_body(who, check_key(key), request, offset, total)
 
     @app.get("/v1/blobs/{key}/state")
     async def blob_state(key: BLOB_KEY, who: Caller) -> dict[str, Any]:
         """Whether a blob is complete, and the offset its upload resumes at."""
         key = check_key(key)
-        await may_see_blob(who, key)
+        await api.may_see_blob(who, key)
         return coordinator.blobs.upload_state(key)
 
     @app.get("/v1/blobs/{key}")
     async def get_blob(key: BLOB_KEY, who: Caller) -> RangedFile:
         """A complete blob's bytes (``Range`` requests fetch it in parts)."""
         key = check_key(key)
-        await may_see_blob(who, key)
+        await api.may_see_blob(who, key)
         if not coordinator.blobs.exists(key):
             raise CoordinatorError(404, "unknown_blob", f"no blob {key}")
-        return RangedFile(coordinator.blobs.path(key), key, max_request_s)
+        return RangedFile(coordinator.blobs.path(key), key, api.max_request_s)
+
+
+def _add_delta_routes(app: FastAPI, api: _Api) -> None:
+    """Deltas: by reference to an uploaded blob, or inline in the round message."""
+    coordinator, Caller = api.coordinator, api.Caller
 
     @app.post("/v1/rounds/{round_no}/deltas")
     async def submit(round_no: ROUND, body: DeltaBody, who: Caller) -> dict[str, Any]:
@@ -528,7 +596,7 @@ def create_app(
 
     @app.post(
         "/v1/rounds/{round_no}/deltas/inline",
-        openapi_extra=_binary_body("the delta's safetensors bytes", max_blob_bytes),
+        openapi_extra=_binary_body("the delta's safetensors bytes", api.max_blob_bytes),
     )
     async def submit_inline(
         round_no: ROUND,
@@ -570,7 +638,7 @@ def create_app(
             consumed=consumed,
         )
         await run(coordinator.vet_delta, round_no=round_no, blob=digest, **fields)
-        await store_body(who, digest, request, 0, None)
+        await api.store_body(who, digest, request, 0, None)
         return await run(
             coordinator.submit,
             round_no=round_no,
@@ -581,8 +649,12 @@ def create_app(
             **fields,
         )
 
+
+def _with_run_spec_schema(app: FastAPI) -> None:
+    """FastAPI's OpenAPI document plus the run spec's nested definitions (``POST /v1/run``)."""
+    _, run_spec_defs = _run_spec_schema()
+
     def openapi() -> dict[str, Any]:
-        """FastAPI's document plus the run spec's nested definitions (``POST /v1/run``)."""
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, routes=app.routes)
             document.setdefault("components", {}).setdefault("schemas", {}).update(run_spec_defs)
@@ -590,4 +662,3 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return app
