@@ -6,7 +6,7 @@ Two measurements, one run:
 1. Bytes and time, on Qwen3-0.6B-shaped deltas (the real model's tensor shapes; ``--params``
    keeps the vocabulary and depth that give about that many values, the per-value cost is
    the same): the file size of a bf16 delta against blockwise int8 (one fp32 scale per 256
-   values) and int4 (one bf16 scale per 64 values) ones (``crossfed.compress``), the time to
+   values) and int4 (one bf16 scale per 64 values) ones (``crossfed.wire.codecs``), the time to
    write and to decode each, and the relative error of one delta and of one outer step
    computed from the decoded deltas against the same step from exact fp32 deltas.
 2. Quality, on the tiny Qwen3 trained by DiLoCo in this process (2 sites, real inner AdamW
