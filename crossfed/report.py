@@ -14,7 +14,7 @@ import pandas as pd  # noqa: E402
 
 from crossfed.darl.ledger import TABLE3_COLUMNS  # noqa: E402
 from crossfed.fileio import write_atomic  # noqa: E402
-from crossfed.train.barrier import idle_shares  # noqa: E402
+from crossfed.sched.barrier import idle_shares  # noqa: E402
 
 
 def _read(path: Path) -> dict[str, Any]:

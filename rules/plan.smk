@@ -32,18 +32,17 @@ rule plan:
         # late replays every earlier round): one process and one request write a plan
         # record saying so (crossfed.catchup). An open round: measured rounds -> the
         # planner's job log; the plan's accumulation then fills the barrier from measured
-        # step times (crossfed.train.barrier, paper Fig. 2a); every site loop, local or
+        # step times (crossfed.sched.barrier, paper Fig. 2a); every site loop, local or
         # Slurm, takes its A for the round from it (crossfed.site.loop.planned_accumulation)
         "{params.python} -m crossfed.catchup plan --config {params.config}"
         " --round {wildcards.for_round} --out {output.plan} > {log} 2>&1"
-        " || ({params.python} -m crossfed.train.barrier job-log --results {params.results}"
-        " --before {wildcards.for_round}"
-        " --sites {params.sites} --out {params.job_log} > {log} 2>&1"
+        " || ({params.crossfed} --log {log} plan job-log --results {params.results}"
+        " --before {wildcards.for_round} --sites {params.sites} --out {params.job_log}"
         " && {params.crossfed} --log {log} plan --config {params.config}"
         " --probes {input.probe} --round {params.done} --job-log {params.job_log}"
         " --out {params.draft}"
-        " && {params.python} -m crossfed.train.barrier fill --plan {params.draft}"
-        " --out {output.plan} --job-log {params.job_log} --sites {params.sites} >> {log} 2>&1"
+        " && {params.crossfed} --log {log} plan fill --plan {params.draft}"
+        " --out {output.plan} --job-log {params.job_log} --sites {params.sites}"
         " && rm -f {params.draft})"
 
 

@@ -6,17 +6,17 @@ A accumulation slots takes about ``A * slot`` seconds; from the step times measu
 earlier rounds this module picks each site's A so that all sites finish their H steps together:
 the slowest site keeps its configured A and the others grow theirs (Snellius: A = 5, idle 8%).
 
-The measurements are the train jobs' outcomes (``results/rounds/<r>/train/<site>.json``); they
-also become the planner's job log (site, tokens, seconds, gpus). Run as a module:
+The measurements are the site loops' per-round records (``results/rounds/<r>/train/<site>.json``);
+they also become the planner's job log (site, tokens, seconds, gpus). The plan rule runs both
+steps through the CLI (crossfed.sched.cli):
 
-    python -m crossfed.train.barrier job-log --results results --before 3 --out job_log.csv
-    python -m crossfed.train.barrier fill --plan plan.json --job-log job_log.csv \\
-        --sites config/sites.yaml
+    crossfed plan job-log --results results --before 3 --sites config/sites.yaml --out job_log.csv
+    crossfed plan fill --plan draft.json --job-log job_log.csv --sites config/sites.yaml \\
+        --out plan.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -208,46 +208,23 @@ def _configured(sites_yaml: Path) -> dict[str, int]:
     return {name: int(cfg.get("accumulation", 1)) for name, cfg in sites.items()}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m crossfed.train.barrier")
-    sub = parser.add_subparsers(dest="command", required=True)
-    log_p = sub.add_parser("job-log", help="measured rounds as the planner's job log (CSV)")
-    log_p.add_argument("--results", required=True)
-    log_p.add_argument("--before", type=int, required=True, help="rounds before this one")
-    log_p.add_argument("--sites", help="sites.yaml, for the GPUs of each job shape")
-    log_p.add_argument("--out", required=True)
-    fill = sub.add_parser("fill", help="set the plan's accumulation from measured step times")
-    fill.add_argument("--plan", required=True, help="plan JSON")
-    fill.add_argument("--out", help="the filled plan (default: --plan, rewritten in place)")
-    fill.add_argument("--job-log", required=True)
-    fill.add_argument("--sites", required=True, help="sites.yaml (configured accumulation)")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "job-log":
-            results = Path(args.results)
-            plans = sorted(results.glob("rounds/*/plan.json"), key=lambda p: int(p.parent.name))
-            plans = [p for p in plans if int(p.parent.name) < args.before]
-            gpus = _shape_gpus(Path(args.sites) if args.sites else None, plans)
-            frame = job_log(results, args.before, gpus)
-            write_atomic(Path(args.out), frame.to_csv(index=False))
-            print(f"job log: {len(frame)} measured site rounds before round {args.before}")
-        else:
-            plan = json.loads(Path(args.plan).read_text())
-            log = pd.read_csv(args.job_log)
-            plan = fill_plan(plan, log, _configured(Path(args.sites)))
-            out = Path(args.out or args.plan)
-            write_atomic(out, json.dumps(plan, indent=2, default=str) + "\n")
-            barrier = plan["barrier"]
-            shares = ", ".join(f"{s} {v:.0%}" for s, v in barrier["predicted_idle_share"].items())
-            print(
-                f"barrier ({barrier['source']}): accumulation {barrier['accumulation']}"
-                + (f"; predicted idle {shares}" if shares else "")
-            )
-    except (BarrierError, OSError, ValueError, KeyError) as exc:
-        print(f"crossfed barrier: {exc}")
-        return 2
-    return 0
+def write_job_log(results: Path, before: int, sites_yaml: Path | None, out: Path) -> str:
+    """The planner's job log of the rounds before ``before``, written to ``out``."""
+    plans = sorted(results.glob("rounds/*/plan.json"), key=lambda p: int(p.parent.name))
+    plans = [p for p in plans if int(p.parent.name) < before]
+    frame = job_log(results, before, _shape_gpus(sites_yaml, plans))
+    write_atomic(out, frame.to_csv(index=False))
+    return f"job log: {len(frame)} measured site rounds before round {before}"
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def fill_plan_file(plan_path: Path, job_log_path: Path, sites_yaml: Path, out: Path) -> str:
+    """The plan at ``plan_path`` with its accumulation filled, written to ``out``."""
+    plan = fill_plan(
+        json.loads(plan_path.read_text()), pd.read_csv(job_log_path), _configured(sites_yaml)
+    )
+    write_atomic(out, json.dumps(plan, indent=2, default=str) + "\n")
+    barrier = plan["barrier"]
+    shares = ", ".join(f"{s} {v:.0%}" for s, v in barrier["predicted_idle_share"].items())
+    return f"barrier ({barrier['source']}): accumulation {barrier['accumulation']}" + (
+        f"; predicted idle {shares}" if shares else ""
+    )

@@ -285,6 +285,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_job_log(args: argparse.Namespace) -> int:
+    """The planner's job log from the measured rounds (crossfed.sched.barrier)."""
+    from crossfed.sched.barrier import BarrierError, write_job_log
+
+    try:
+        sites = Path(args.sites) if args.sites else None
+        print(write_job_log(Path(args.results), args.before, sites, Path(args.out)))
+    except (BarrierError, OSError, ValueError, KeyError) as exc:
+        return _fail(exc)
+    return 0
+
+
+def cmd_fill(args: argparse.Namespace) -> int:
+    """A plan's accumulation from measured step times (crossfed.sched.barrier)."""
+    from crossfed.sched.barrier import BarrierError, fill_plan_file
+
+    try:
+        out = Path(args.out or args.plan)
+        print(fill_plan_file(Path(args.plan), Path(args.job_log), Path(args.sites), out))
+    except (BarrierError, OSError, ValueError, KeyError) as exc:
+        return _fail(exc)
+    return 0
+
+
 # ----------------------------------------------------------------------------- parsers
 
 

@@ -1,6 +1,6 @@
 """The scheduler's subcommands on the ``crossfed`` parser, without importing the scheduler.
 
-``add_parsers`` registers ``probe`` and ``plan [simulate]``; each handler imports
+``add_parsers`` registers ``probe`` and ``plan [simulate | job-log | fill]``; each handler imports
 :mod:`crossfed.sched.cli` (the planner, pandas) only when its command runs, so every other
 ``crossfed`` command (a workflow's merge or train job) starts without them.
 """
@@ -110,7 +110,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--gamma", type=float, help="walltime discount when no sacct history is given")
     q.set_defaults(func=_handler("cmd_plan"))
-    qs = q.add_subparsers(dest="plan_command", metavar="{simulate}")
+    qs = q.add_subparsers(dest="plan_command", metavar="{simulate,job-log,fill}")
     s = qs.add_parser(
         "simulate",
         help="time-to-target for a queue scenario (Table 4)",
@@ -121,3 +121,31 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("scenario", help="scenario YAML")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=_handler("cmd_simulate"))
+    log = qs.add_parser(
+        "job-log",
+        help="measured rounds -> the planner's job log (CSV)",
+        description="Write the planner's job log (site, round, tokens, seconds, GPUs, step "
+        "time) from the sites'\nper-round records (<results>/rounds/<r>/train/<site>.json) "
+        "of the rounds before one.",
+        epilog="example:\n  crossfed plan job-log --results results --before 3 --sites "
+        "config/sites.yaml --out job_log.csv",
+    )
+    log.add_argument("--results", required=True, help="the run's results folder")
+    log.add_argument("--before", type=int, required=True, help="rounds before this one")
+    log.add_argument("--sites", help="the sites file, for the GPUs of each job shape")
+    log.add_argument("--out", required=True, help="job log to write (CSV)")
+    log.set_defaults(func=_handler("cmd_job_log"))
+    fill = qs.add_parser(
+        "fill",
+        help="fill the barrier: a plan's accumulation from measured step times",
+        description="Set each submitting site's accumulation A in a plan so that the sites "
+        "reach the round barrier\ntogether, from the step times in the job log (paper "
+        "Fig. 2a); the slowest site keeps its configured A.",
+        epilog="example:\n  crossfed plan fill --plan draft.json --job-log job_log.csv "
+        "--sites config/sites.yaml --out plan.json",
+    )
+    fill.add_argument("--plan", required=True, help="the plan (JSON)")
+    fill.add_argument("--job-log", required=True, help="the job log (CSV, plan job-log)")
+    fill.add_argument("--sites", required=True, help="the sites file (configured accumulation)")
+    fill.add_argument("--out", help="the filled plan (default: --plan, rewritten in place)")
+    fill.set_defaults(func=_handler("cmd_fill"))

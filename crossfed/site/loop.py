@@ -261,7 +261,7 @@ def planned_accumulation(results: Any, site: str, round_no: int) -> int | None:
     """The accumulation A the newest plan of round ``round_no`` or earlier gives ``site``.
 
     Each round's plan (``<results>/rounds/<r>/plan.json``) fills the barrier from the step
-    times measured so far (crossfed.train.barrier); a site loop reads it when it starts the
+    times measured so far (crossfed.sched.barrier); a site loop reads it when it starts the
     round, and the plan of an earlier round when the round's own is not written yet, so it
     never waits for a plan. None: no plan gives one (the site's configured A holds).
     """

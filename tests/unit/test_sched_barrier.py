@@ -9,13 +9,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from crossfed.train.barrier import (
+from crossfed.cli import main
+from crossfed.sched.barrier import (
     StepModel,
     fill_barrier,
     fill_plan,
     idle_shares,
     job_log,
-    main,
     predicted_idle,
     step_models,
 )
@@ -134,7 +134,7 @@ def test_idle_share_per_site_and_round() -> None:
     assert pd.isna(out["idle_share"].iloc[2]) and out["idle_share"].iloc[3] == 0.0
 
 
-def test_module_commands_write_the_job_log_and_fill_the_plan(tmp_path: Path) -> None:
+def test_plan_job_log_and_plan_fill_write_the_job_log_and_fill_the_plan(tmp_path: Path) -> None:
     results = tmp_path / "results"
     write_outcomes(results, [outcome("lumi", 1, step_s=2.0), outcome("snellius", 1, step_s=0.5)])
     sites = {
@@ -159,12 +159,13 @@ def test_module_commands_write_the_job_log_and_fill_the_plan(tmp_path: Path) -> 
         json.dumps({"sites": {"snellius": {"shape": "h"}}})
     )
     log_path = results / "rounds" / "2" / "job_log.csv"
-    args = ["job-log", "--results", str(results), "--before", "2", "--sites", str(sites_yaml)]
+    args = ["plan", "job-log", "--results", str(results), "--before", "2"]
+    args += ["--sites", str(sites_yaml)]
     assert main([*args, "--out", str(log_path)]) == 0
     assert pd.read_csv(log_path).set_index("site")["gpus"].to_dict() == {"lumi": 2, "snellius": 4}
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps({"sites": {"lumi": {"submit": True}, "snellius": {}}}))
-    args = ["fill", "--plan", str(plan_path), "--job-log", str(log_path)]
+    args = ["plan", "fill", "--plan", str(plan_path), "--job-log", str(log_path)]
     assert main([*args, "--sites", str(sites_yaml)]) == 0
     plan = json.loads(plan_path.read_text())
     assert (
@@ -174,6 +175,7 @@ def test_module_commands_write_the_job_log_and_fill_the_plan(tmp_path: Path) -> 
     assert (
         main(
             [
+                "plan",
                 "fill",
                 "--plan",
                 str(tmp_path / "nope.json"),
