@@ -1137,7 +1137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "crossfed data prepare --config config/config.yaml",
         "crossfed data prepare --out data --input c4/en --tokenizer tokenizer.json",
     )  # fmt: skip
-    from crossfed.train.prepare import add_parser as add_prepare
+    from crossfed.train.prepare_cli import add_parser as add_prepare
 
     add_prepare(dsub)
     try:

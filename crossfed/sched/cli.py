@@ -2,7 +2,7 @@
 
 ``add_parsers(subparsers)`` registers the subcommands on the main ``crossfed`` parser; each
 handler takes the argparse Namespace and returns an exit code (2 for bad input, naming the
-problem). ``python -m crossfed.sched.cli`` runs them standalone.
+problem). ``python -m crossfed.sched.commands`` runs them standalone.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from crossfed.sched.commands import add_parsers
 from crossfed.sched.planner import FixedJob, PlanError, PlanParams, make_plan, write_plan
 from crossfed.sched.probe import (
     ProbeTableError,
@@ -307,22 +306,3 @@ def cmd_fill(args: argparse.Namespace) -> int:
     except (BarrierError, OSError, ValueError, KeyError) as exc:
         return _fail(exc)
     return 0
-
-
-# ----------------------------------------------------------------------------- parsers
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """A parser with just the scheduler commands (for ``python -m crossfed.sched.cli``)."""
-    parser = argparse.ArgumentParser(prog="crossfed")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def _handler(name: str) -> Callable[[argparse.Namespace], int]:
@@ -149,3 +149,19 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     fill.add_argument("--sites", required=True, help="the sites file (configured accumulation)")
     fill.add_argument("--out", help="the filled plan (default: --plan, rewritten in place)")
     fill.set_defaults(func=_handler("cmd_fill"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with just the scheduler commands (``python -m crossfed.sched.commands``)."""
+    parser = argparse.ArgumentParser(prog="crossfed")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,7 +14,8 @@ import pytest
 
 from crossfed.train import prepare as prepare_mod
 from crossfed.train.corpus import embedded_documents, iter_documents, write_embedded_corpus
-from crossfed.train.prepare import PrepareError, add_parser, prepare
+from crossfed.train.prepare import PrepareError, prepare
+from crossfed.train.prepare_cli import add_parser
 from crossfed.train.tokenizer import eos_id, load_tokenizer, train_tokenizer
 from crossfed.train.windows import WindowStore
 

@@ -17,6 +17,7 @@ from crossfed.launch import run_spec
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
+from crossfed.sched.commands import build_parser as sched_parser
 from crossfed.site.loop import chain_continues
 from crossfed.train.schedule import LRSchedule
 from tests.conftest import tiny_spec
@@ -181,7 +182,7 @@ def test_plan_takes_the_run_length_from_the_config(tmp_path: Path) -> None:
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config.update(rounds=11, sites_file=str(REPO / "config" / "sites.yaml"))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    args = sched_cli.build_parser().parse_args(
+    args = sched_parser().parse_args(
         ["plan", "--config", str(tmp_path / "config.yaml"), "--probes", "p.csv", "--out", "o"]
     )
     sched_cli._from_run_config(args)

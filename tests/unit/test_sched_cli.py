@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from crossfed.sched.cli import add_parsers
+from crossfed.sched.commands import add_parsers
 from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import read_probes
 
