@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from crossfed.config import ConfigError, load_run_config, load_sites
 from crossfed.fileio import write_atomic
+from crossfed.progress import site_prefix
 
 
 class _Tee(io.TextIOBase):
@@ -366,50 +367,34 @@ def _closed_round(config: dict[str, Any], site: str, round_no: int) -> dict[str,
 def cmd_site_run(args: argparse.Namespace) -> int:
     config = _config(args)
     sites = load_sites(config)
-    if args.site not in sites:
+    if args.site not in sites:  # before torch is imported
         raise ConfigError(f"unknown site {args.site!r}; sites are {list(sites)}")
     if args.round is not None:
         missed = _closed_round(config, args.site, args.round)
         if missed is not None:
             _write_json(args.out, missed)
-            print(f"[{args.site} r{args.round}] missed: {missed['detail']}")
+            print(f"{site_prefix(args.site, args.round)} missed: {missed['detail']}")
             return 0
     import torch
 
     from crossfed.coordinator.embedded import client_for
     from crossfed.site import SiteRunner
-    from crossfed.site.job import site_settings
-    from crossfed.train.distributed import (
-        close_ranks,
-        init_ranks,
-        relaunch_under_torchrun,
-        under_torchrun,
-    )
+    from crossfed.site.job import relaunch, site_job
+    from crossfed.train.distributed import close_ranks, init_ranks
     from crossfed.wire.libc import keep_stream_buffers_in_heap
 
     keep_stream_buffers_in_heap()
     torch.set_num_threads(args.threads)
+    code = relaunch(config, args.site, sys.argv[1:])
+    if code is not None:
+        return code
     if args.round is None:
         return _site_chain(args, config)
-    accumulation = None
-    if args.plan and Path(args.plan).exists():
-        plan = json.loads(Path(args.plan).read_text())
-        entry = plan.get("sites", {}).get(args.site, {})
-        accumulation = entry.get("accumulation")
-        if entry and entry.get("submit") is False:
-            _write_json(
-                args.out,
-                {
-                    "site": args.site,
-                    "round": args.round,
-                    "status": "not_planned",
-                    "detail": entry.get("reason", ""),
-                },
-            )
-            return 0
-    settings = site_settings(config, args.site, sites[args.site], accumulation)
-    if settings.launcher == "torchrun" and not under_torchrun():
-        return relaunch_under_torchrun(settings.inner.ranks, sys.argv[1:], config["launcher"])
+    entry, settings = site_job(config, args.site, args.plan)
+    if entry.get("submit") is False:
+        record = {"site": args.site, "round": args.round, "status": "not_planned"}
+        _write_json(args.out, {**record, "detail": entry.get("reason", "")})
+        return 0
     ranks = init_ranks(settings.device)
     client = client_for(config, args.site) if ranks.main else None
     try:
@@ -436,12 +421,7 @@ def _site_chain(args: argparse.Namespace, config: dict[str, Any]) -> int:
     """Rounds back to back in one job (crossfed.site.loop); writes the chain outcome."""
     from crossfed.site.job import chain_job
     from crossfed.site.loop import ChainError
-    from crossfed.site.slurm import relaunch_ranks
-    from crossfed.train.distributed import under_torchrun
 
-    if config["launcher"]["kind"] == "torchrun" and not under_torchrun():
-        ranks = load_sites(config)[args.site]["ranks"]
-        return relaunch_ranks(ranks, sys.argv[1:], config["launcher"])
     template = args.round_out or str(
         Path(config["results"]) / "rounds" / "{round}" / "train" / f"{args.site}.json"
     )
@@ -459,7 +439,8 @@ def _site_chain(args: argparse.Namespace, config: dict[str, Any]) -> int:
     if outcome is None:  # a torchrun rank other than 0
         return 0
     print(
-        f"[{args.site}] chain job stopped ({outcome.stopped}): {outcome.trained} rounds trained, "
+        f"{site_prefix(args.site)} chain job stopped ({outcome.stopped}): "
+        f"{outcome.trained} rounds trained, "
         f"coordinator at round {outcome.next_round}; next job: {outcome.next_job} "
         f"{outcome.detail}"
     )

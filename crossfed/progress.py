@@ -180,3 +180,8 @@ def progress_lines(progress: dict[str, Any], live: bool) -> list[str]:
                 f"(rounds take about {typical})"
             )
     return lines
+
+
+def site_prefix(site: str, round_no: int | None = None) -> str:
+    """The one prefix of a site's log lines: ``[lumi r3]``, or ``[lumi]`` outside a round."""
+    return f"[{site}]" if round_no is None else f"[{site} r{round_no}]"

@@ -11,6 +11,7 @@ import yaml
 from crossfed.site.loop import chain_continues
 from crossfed.site.slurm import planned_job
 from crossfed.config import ConfigError, check_run, load_sites, validate
+from crossfed.fileio import write_atomic
 from crossfed.resume import check_rerun
 from snakemake.settings.types import DeploymentMethod
 
@@ -76,10 +77,7 @@ def write_config():
     path = Path(CONFIG)
     if path.exists() and path.read_text() == resolved:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(resolved)
-    os.replace(tmp, path)
+    write_atomic(path, resolved)
 
 
 wildcard_constraints:

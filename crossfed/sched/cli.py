@@ -223,7 +223,10 @@ def _from_run_config(args: argparse.Namespace) -> None:
         args.units_per_round = 1.0
     if args.tokens_per_unit is None:
         args.tokens_per_unit = float(
-            sum(tokens_per_round(config, s, s["accumulation"]) for s in sites.values())
+            sum(
+                tokens_per_round(config, s["micro_batch"] * s["ranks"] * s["accumulation"])
+                for s in sites.values()
+            )
         )
 
 

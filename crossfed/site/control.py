@@ -18,7 +18,8 @@ from typing import Any
 from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.fileio import keep_global_model
-from crossfed.site.records import Cursor, PendingDelta, RoundOutcome, SiteSettings, prefix
+from crossfed.progress import site_prefix
+from crossfed.site.records import Cursor, PendingDelta, RoundOutcome, SiteSettings
 from crossfed.train import checkpoint
 
 log = logging.getLogger("crossfed.site")
@@ -64,13 +65,13 @@ class Heartbeat:
                 self.lost = f"{exc.code}: {exc.detail}"
                 return
             except Exception as exc:  # transient: the TTL covers a few missed beats
-                log.warning("%s heartbeat failed: %s", prefix(self.site), exc)
+                log.warning("%s heartbeat failed: %s", site_prefix(self.site), exc)
                 continue
             shrunk = reply["lease"]["n_blocks"]
             if shrunk < self.allowed_blocks:
                 log.info(
                     "%s lease %d: %d blocks stolen",
-                    prefix(self.site),
+                    site_prefix(self.site),
                     self.lease_id,
                     self.allowed_blocks - shrunk,
                 )
@@ -144,7 +145,7 @@ class Control:
                 reply = {"lease": None}
                 log.info(
                     "%s a previous job still holds a lease; waiting for its TTL",
-                    prefix(self.site, round_no),
+                    site_prefix(self.site, round_no),
                 )
             if reply["lease"] is not None:
                 return reply["lease"]
@@ -156,7 +157,7 @@ class Control:
     def confirm(self, cursor: Cursor, joined: dict[str, Any]) -> dict | None:
         """The live lease a checkpoint trained, confirmed by a heartbeat; None if it is gone
         (its blocks return to the pool on its TTL, and the checkpoint is dropped)."""
-        here = prefix(self.site, cursor.round)
+        here = site_prefix(self.site, cursor.round)
         live = [
             lease
             for lease in joined.get("active_leases", [])
@@ -233,7 +234,7 @@ class Control:
         path.unlink(missing_ok=True)
         log.info(
             "%s delta %s (%s, %.1f MB): %s",
-            prefix(self.site, pending.round),
+            site_prefix(self.site, pending.round),
             outcome.status,
             outcome.transport,
             size_mb,

@@ -7,14 +7,16 @@ the walltime and the proxy, builds the runner and runs the loop (crossfed.site.l
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from crossfed.fileio import write_atomic
+from crossfed.progress import site_prefix
 from crossfed.site.loop import (
     ChainError,
     ChainOutcome,
@@ -31,10 +33,9 @@ if TYPE_CHECKING:  # the runner imports torchtitan: only a training job needs it
     from crossfed.site.records import SiteSettings
 
 
-def tokens_per_round(config: Mapping[str, Any], site: Mapping[str, Any], accumulation: int) -> int:
-    """Tokens one site trains in one round: H * seq_len * B * W * A."""
-    windows = site["micro_batch"] * site["ranks"] * accumulation
-    return int(config["inner"]["steps"]) * int(config["data"]["seq_len"]) * windows
+def tokens_per_round(config: Mapping[str, Any], windows_per_step: int) -> int:
+    """Tokens one site trains in one round: H * seq_len * (B * W * A windows a step)."""
+    return int(config["inner"]["steps"]) * int(config["data"]["seq_len"]) * windows_per_step
 
 
 def proxy_env(config: Mapping[str, Any]) -> dict[str, str]:
@@ -63,6 +64,40 @@ def short_requests(site: Mapping[str, Any]) -> bool:
     return site.get("transport") == "proxy"
 
 
+def site_job(
+    config: dict[str, Any], site: str, plan_path: str | None
+) -> tuple[dict[str, Any], SiteSettings]:
+    """What every site job reads before it trains, one round or many: the site (unknown:
+    an error naming the sites), its plan entry ({} without a plan), its settings with the
+    plan's accumulation, and the forward proxy's environment (set for this process)."""
+    from crossfed.config import ConfigError, load_sites
+
+    sites = load_sites(config)
+    if site not in sites:
+        raise ConfigError(f"unknown site {site!r}; sites are {list(sites)}")
+    entry: dict[str, Any] = {}
+    if plan_path and Path(plan_path).exists():
+        entry = json.loads(Path(plan_path).read_text()).get("sites", {}).get(site, {}) or {}
+    accumulation = entry.get("accumulation") or sites[site]["accumulation"]
+    settings = site_settings(config, site, sites[site], accumulation)
+    if short_requests(sites[site]):
+        settings = replace(settings, inline_max_bytes=0)
+    os.environ.update(proxy_env(config))
+    return entry, settings
+
+
+def relaunch(config: dict[str, Any], site: str, argv: list[str]) -> int | None:
+    """Under ``launcher: torchrun``, outside torchrun: run this job again as the site's ranks
+    (one torchrun per node of the allocation) and return their exit code; else None."""
+    from crossfed.config import load_sites
+    from crossfed.site.slurm import relaunch_ranks
+    from crossfed.train.distributed import under_torchrun
+
+    if config["launcher"]["kind"] != "torchrun" or under_torchrun():
+        return None
+    return relaunch_ranks(load_sites(config)[site]["ranks"], argv, config["launcher"])
+
+
 def chain_job(
     config: dict[str, Any],
     site: str,
@@ -78,30 +113,16 @@ def chain_job(
     Under torchrun every rank calls this; rank 0 talks to the coordinator and returns the
     outcome, the other ranks return None.
     """
-    import json
-    from dataclasses import replace
-
-    from crossfed.config import ConfigError, load_sites
     from crossfed.coordinator.embedded import client_for
     from crossfed.site.runner import SiteRunner
     from crossfed.train.distributed import broadcast_object, close_ranks, init_ranks
 
-    sites = load_sites(config)
-    if site not in sites:
-        raise ConfigError(f"unknown site {site!r}; sites are {list(sites)}")
-    entry: dict[str, Any] = {}
-    if plan_path and Path(plan_path).exists():
-        entry = json.loads(Path(plan_path).read_text()).get("sites", {}).get(site, {})
+    entry, settings = site_job(config, site, plan_path)
     now = time.time()
-    if entry and entry.get("submit") is False:
+    if entry.get("submit") is False:
         out = ChainOutcome(site, "not_planned", started_at=now, ended_at=now)
         out.detail = str(entry.get("reason", ""))
         return out
-    accumulation = entry.get("accumulation") or sites[site]["accumulation"]
-    settings = site_settings(config, site, sites[site], accumulation)
-    if short_requests(sites[site]):
-        settings = replace(settings, inline_max_bytes=0)
-    os.environ.update(proxy_env(config))
     ranks = init_ranks(settings.device)
     alloc = None
     deadline: float | None = None
@@ -121,7 +142,7 @@ def chain_job(
     prior = config["chain"]["round_prior_s"]
     if prior is None:
         prior = round_prior_s(
-            tokens_per_round(config, sites[site], accumulation), entry.get("tokens_per_s")
+            tokens_per_round(config, settings.inner.windows_per_step), entry.get("tokens_per_s")
         )
     chain = ChainSettings(
         through_round=through_round,
@@ -138,14 +159,17 @@ def chain_job(
         path = Path(round_out.format(round=outcome.round, site=site))
         write_atomic(path, json.dumps(asdict(outcome), indent=2, default=str) + "\n")
         log(
-            f"[{site} r{outcome.round}] {outcome.status} in {seconds:.1f}s: {outcome.tokens} "
-            f"tokens, loss {outcome.loss_mean} {outcome.detail}"
+            f"{site_prefix(site, outcome.round)} {outcome.status} in {seconds:.1f}s: "
+            f"{outcome.tokens} tokens, loss {outcome.loss_mean} {outcome.detail}"
         )
 
     client = client_for(config, site) if ranks.main else None
     if ranks.main:
         left = "no walltime" if deadline is None else f"{deadline - now:.0f}s of walltime"
-        log(f"[{site}] chain job: rounds up to {through_round}, {left}, margin {chain.margin_s:g}s")
+        log(
+            f"{site_prefix(site)} chain job: rounds up to {through_round}, {left}, "
+            f"margin {chain.margin_s:g}s"
+        )
     try:
         runner = SiteRunner(settings, client, ranks)
         out = run_chain(

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from crossfed.progress import site_prefix
+
 #: statuses of run_round after which the site's part of that round is over
 _TRAINED = "accepted"
 
@@ -240,7 +242,7 @@ def run_chain(
         delay = settings.poll_s
         # rank 0's alone: the runner hands the round's A to the other ranks with the lease
         accumulation = accumulation_for(current) if client is not None else None
-        log(f"[{site}] round {current}: starting (estimate {out.estimate_s or 0:.0f}s)")
+        log(f"{site_prefix(site)} round {current}: starting (estimate {out.estimate_s or 0:.0f}s)")
         started = clock()
         outcome = runner.run_round(current, accumulation)
         seconds = clock() - started

@@ -179,8 +179,3 @@ class RoundOutcome:
 
 def outcome_json(outcome: RoundOutcome) -> str:
     return json.dumps(asdict(outcome), indent=2)
-
-
-def prefix(site: str, round_no: int | None = None) -> str:
-    """The one log prefix of a site's lines: ``[lumi r3]``, or ``[lumi]`` outside a round."""
-    return f"[{site}]" if round_no is None else f"[{site} r{round_no}]"

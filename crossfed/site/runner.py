@@ -47,7 +47,7 @@ from crossfed.coordinator.faults import crash_point
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
 from crossfed.fileio import write_atomic
-from crossfed.progress import CONSOLE, step_line
+from crossfed.progress import CONSOLE, site_prefix, step_line
 from crossfed.site.control import Control, FollowerBeat, Heartbeat, RoundClosed
 from crossfed.site.lock import hold_site_folder
 from crossfed.site.records import (
@@ -56,7 +56,6 @@ from crossfed.site.records import (
     RoundOutcome,
     RoundStart,
     SiteSettings,
-    prefix,
 )
 from crossfed.train import checkpoint
 from crossfed.train.distributed import (
@@ -195,7 +194,7 @@ class SiteRunner:
             )
         log.info(
             "%s lease %d: %d blocks (asked %d), generation %d, global step %d%s",
-            prefix(self.s.site, round_no), lease["lease_id"], lease["n_blocks"], want,
+            site_prefix(self.s.site, round_no), lease["lease_id"], lease["n_blocks"], want,
             generation, joined["global_step"],
             f", resuming at window {cursor.phase.windows}" if cursor else "",
         )  # fmt: skip
@@ -229,7 +228,7 @@ class SiteRunner:
             if cursor.status == "training":
                 log.info(
                     "%s dropping the mid-phase checkpoint of round %d (now round %d)",
-                    prefix(self.s.site), cursor.round, round_no,
+                    site_prefix(self.s.site), cursor.round, round_no,
                 )  # fmt: skip
             return None, None
         assert self.control is not None
@@ -246,7 +245,7 @@ class SiteRunner:
             return None
         log.info(
             "%s resending checkpointed delta of round %d (lease %d)",
-            prefix(self.s.site), pending.round, pending.lease_id,
+            site_prefix(self.s.site), pending.round, pending.lease_id,
         )  # fmt: skip
         outcome = RoundOutcome(
             self.s.site, pending.round, "accepted", generation=pending.generation,
@@ -446,7 +445,7 @@ class SiteRunner:
         if self.ranks.main:
             log.info(
                 "%s trained %d steps on %d/%d windows, %d tokens in %.1fs",
-                prefix(self.s.site, round_no), state.steps, state.windows, len(windows),
+                site_prefix(self.s.site, round_no), state.steps, state.windows, len(windows),
                 state.tokens, state.compute_s,
             )  # fmt: skip
         return state
@@ -485,7 +484,7 @@ class _Progress:
         )
         log.info(
             "%s step %d (global %d) loss %.4f lr %.2e %.0f tok/s lease %d/%d blocks",
-            prefix(r.s.site, self.round_no), info.step, info.global_step, info.loss, info.lr,
+            site_prefix(r.s.site, self.round_no), info.step, info.global_step, info.loss, info.lr,
             tokens_per_s, beat.consumed, beat.allowed_blocks,
         )  # fmt: skip
 
