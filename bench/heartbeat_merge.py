@@ -10,7 +10,7 @@ same coordinator is restarted on its state with ``CROSSFED_MERGE_HOLDS_LOCK=1`` 
 way: the merge holds the lock that leases and heartbeats wait on, for this benchmark only)
 and round 2 is merged. A heartbeat counts as "during the merge" when it overlaps the
 merge's span (the round report's ``merge_s`` + ``checkpoint_s`` before its close), as
-"idle" when it overlaps neither a merge nor a delta's submission. The last line is one
+"idle" when it overlaps neither a merge nor a delta's upload or submission. The last line is one
 JSON object: ``p50/p99/max_ms_idle``, ``..._during_merge``, ``..._during_merge_locked``,
 ``merge_s``, ``merge_s_locked``.
 
@@ -98,10 +98,13 @@ def one_round(
     generation: int,
     idle_s: float,
     on_leased: Callable[[], None],
-) -> tuple[float, float]:
+) -> list[tuple[float, float]]:
     """Upload, lease and submit the three deltas of ``round_no`` (``on_leased`` once they
-    hold their leases, which open the round's join window); the submissions' span."""
+    hold their leases, which open the round's join window); the uploads' and the
+    submissions' spans."""
+    uploading = time.time()
     keys = [clients[site].upload_blob(path) for site, path in zip(SENDERS, deltas, strict=True)]
+    uploaded = time.time()
     leases = [clients[site].lease(site, round_no, 4, 1.0, 1.0)["lease"] for site in SENDERS]
     on_leased()
     time.sleep(idle_s)  # heartbeats with nothing else going on
@@ -112,7 +115,7 @@ def one_round(
             round_no, path, inline=False, key=key, site=site, lease_id=held["lease_id"],
             generation=generation, tokens=32 * n, steps=n, consumed=n,
         )  # fmt: skip
-    return started, time.time()
+    return [(uploading, uploaded), (started, time.time())]
 
 
 def wait_closed(admin: CoordinatorClient, round_no: int, timeout_s: float) -> dict:
@@ -215,17 +218,19 @@ def main() -> None:
                         state, state / "secrets.yaml", HOST, port, timeout_s=240
                     )
                     beats.paused.clear()
+                since = time.time()
                 submitted = one_round(
                     clients, deltas, round_no, round_no - 1, args.idle_s, start_beats
                 )
                 assert beats is not None
                 info = wait_closed(clients["admin"], round_no, timeout_s=1800)
+                time.sleep(1.0)  # and the heartbeats just after the commit
+                until = time.time()
                 report = info["report"]
                 merge = (info["closed_at"] - report["merge_s"] - report["checkpoint_s"],
                          info["closed_at"])  # fmt: skip
-                mine = [s for s in beats.samples if s[0] >= (results.get("_end") or 0.0)]
-                during, idle = split(mine, merge, [submitted])
-                results["_end"] = info["closed_at"]
+                mine = [s for s in beats.samples if since <= s[0] <= until]
+                during, idle = split(mine, merge, submitted)
                 results[locked] = {
                     "during": figures(during),
                     "idle": figures(idle),
