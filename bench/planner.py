@@ -13,14 +13,8 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from crossfed.sched.planner import PlanParams, make_plan
-from crossfed.sched.probe import (
-    ProbeReason,
-    ProbeResult,
-    Shape,
-    SiteConfig,
-    probe_frame,
-    probe_row,
-)
+from crossfed.sched.probe import ProbeReason, ProbeResult, probe_frame, probe_row
+from crossfed.sched.sites import Shape, SiteConfig
 
 TARGET_S = 1.0
 REPEATS = 7

@@ -5,12 +5,15 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from jsonschema import Draft202012Validator, ValidationError, validators
 
 from crossfed.flavours import did_you_mean, flavour_error
+
+if TYPE_CHECKING:
+    from crossfed.sched.sites import SiteConfig
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "workflow" / "schemas"
 
@@ -118,7 +121,7 @@ def check_model(config: dict[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: model/flavour: {problem}")
 
 
-def check_run(config: dict[str, Any], sites: dict[str, dict[str, Any]]) -> None:
+def check_run(config: dict[str, Any], sites: dict[str, SiteConfig]) -> None:
     """Checks across the validated run config and its sites, made when the workflow is read."""
     check_model(config, "workflow config")
     unknown = sorted(set(config["here"]) - set(sites))
@@ -153,8 +156,14 @@ def load_run_config(path: Path | None, overrides: dict[str, Any] | None = None) 
     return config
 
 
-def load_sites(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The participating sites from ``config['sites_file']``, validated, in file order."""
+def load_sites(config: dict[str, Any]) -> dict[str, SiteConfig]:
+    """The participating sites from ``config['sites_file']``, validated, in file order.
+
+    Each is a :class:`crossfed.sched.sites.SiteConfig`, the run's one site type: typed
+    fields, and the schema-validated mapping (defaults filled in) it was built from.
+    """
+    from crossfed.sched.sites import SitesConfigError, parse_site
+
     path = Path(config["sites_file"])
     sites = validate(read_yaml(path), "sites.schema.yaml", str(path))["sites"]
     for name, site in sites.items():
@@ -166,7 +175,10 @@ def load_sites(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     unknown = [name for name in wanted if name not in sites]
     if unknown:
         raise ConfigError(f"config 'sites' names unknown sites {unknown}; {path} has {list(sites)}")
-    return {name: sites[name] for name in wanted}
+    try:
+        return {name: parse_site(name, sites[name]) for name in wanted}
+    except SitesConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
 
 
 def dumps(config: dict[str, Any]) -> str:

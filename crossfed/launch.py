@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.outer import OuterConfig
+from crossfed.sched.sites import SiteConfig
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import read_meta
 
 
-def run_spec(config: dict[str, Any], sites: dict[str, dict[str, Any]]) -> RunSpec:
+def run_spec(config: dict[str, Any], sites: Mapping[str, SiteConfig]) -> RunSpec:
     """The coordinator's view of this run; the data's meta.json fixes N and the vocabulary."""
     meta = read_meta(Path(config["data"]["dir"]))
     inner = config["inner"]
@@ -24,7 +26,7 @@ def run_spec(config: dict[str, Any], sites: dict[str, dict[str, Any]]) -> RunSpe
         seq_len=int(meta["seq_len"]),
         model_seed=config["model"]["seed"],
         inner_steps=inner["steps"],
-        sites={name: site["ranks"] for name, site in sites.items()},
+        sites={name: site.ranks for name, site in sites.items()},
         outer=OuterConfig(**config["outer"]),
         schedule=LRSchedule(
             peak_lr=inner["lr"],

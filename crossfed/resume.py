@@ -14,9 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crossfed.config import ConfigError
+
+if TYPE_CHECKING:
+    from crossfed.sched.sites import SiteConfig
 
 _NEW_RUN = (
     "to train with these settings, start a new run in another results directory "
@@ -85,7 +88,7 @@ def _few(names: list[str]) -> str:
     return f"[{shown}{', ...' if len(names) > 3 else ''}] ({len(names)} shards)"
 
 
-def check_rerun(config: Mapping[str, Any], sites: Mapping[str, Mapping[str, Any]]) -> None:
+def check_rerun(config: Mapping[str, Any], sites: Mapping[str, SiteConfig]) -> None:
     """Refuse a config that would change a run in progress other than by adding rounds."""
     results = Path(config["results"])
     changed = data_changes(config)

@@ -31,8 +31,8 @@ check_rerun(config, SITE_CONFIG)
 HERE = config["here"] or SITES
 # A site without a batch scheduler runs one site-loop job for the run; a Slurm site chains
 # allocations, each running the same loop (rules/train.smk).
-LOCAL_SITES = [s for s in HERE if SITE_CONFIG[s]["scheduler"] != "slurm"]
-SLURM_SITES = [s for s in HERE if SITE_CONFIG[s]["scheduler"] == "slurm"]
+LOCAL_SITES = [s for s in HERE if SITE_CONFIG[s].scheduler != "slurm"]
+SLURM_SITES = [s for s in HERE if SITE_CONFIG[s].scheduler == "slurm"]
 
 # How jobs find crossfed: an Apptainer image (LUMI, Frontier) or environment modules
 # (Snellius), used under the profile's software-deployment-method; the conda environment

@@ -18,11 +18,8 @@ from typing import Any
 from crossfed.sched.planner import FixedJob, PlanError, PlanParams, make_plan, write_plan
 from crossfed.sched.probe import (
     ProbeTableError,
-    SitesConfigError,
     append_history,
     collect_probes,
-    load_sites_yaml,
-    parse_sites,
     read_probes,
     write_probes,
 )
@@ -39,6 +36,7 @@ from crossfed.sched.sacct import (
     sacct_window_start,
     walltime_discount,
 )
+from crossfed.sched.sites import SitesConfigError, load_sites_yaml, parse_sites
 from crossfed.sched.slurm_messages import Advice, advice_for
 
 INPUT_ERRORS = (
@@ -224,7 +222,7 @@ def _from_run_config(args: argparse.Namespace) -> None:
     if args.tokens_per_unit is None:
         args.tokens_per_unit = float(
             sum(
-                tokens_per_round(config, s["micro_batch"] * s["ranks"] * s["accumulation"])
+                tokens_per_round(config, s.micro_batch * s.ranks * s.accumulation)
                 for s in sites.values()
             )
         )

@@ -4,8 +4,7 @@
 subprocess runner; ``collect_probes`` turns a site config into a probe table. Nothing is
 ever enqueued: ``--test-only`` only asks the scheduler where the job would start.
 
-This module also holds the site configuration (``config/sites.yaml``) the probe and the
-planner share.
+The sites it probes are :class:`crossfed.sched.sites.SiteConfig`, the run's one site type.
 """
 
 from __future__ import annotations
@@ -14,208 +13,24 @@ import math
 import re
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
 from crossfed.sched.columns import PROBE_COLUMNS
-from crossfed.sched.sacct import (
-    SlurmDurationError,
-    SlurmTimeError,
-    format_slurm_duration,
-    parse_slurm_duration,
-    parse_slurm_time,
-    slurm_client_env,
-)
+from crossfed.sched.durations import format_slurm_duration
+from crossfed.sched.sacct import SlurmTimeError, parse_slurm_time, slurm_client_env
+from crossfed.sched.sites import Shape, SiteConfig, SitesConfigError
 from crossfed.sched.slurm_messages import ProbeReason, classify_failure
 
 LOCAL_DETAIL = "local profile: no batch scheduler, jobs start now"
 
 
-class SitesConfigError(ValueError):
-    """config/sites.yaml is missing, unreadable or lacks a key the scheduler needs."""
-
-
 class ProbeTableError(ValueError):
     """A probe CSV that is missing or lacks required columns."""
-
-
-# ----------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A job shape: partition, node count, GPUs per node and walltime."""
-
-    name: str
-    partition: str
-    nodes: int
-    gpus_per_node: int
-    walltime_s: float
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True)
-class SiteConfig:
-    """The scheduler-relevant part of one site in ``config/sites.yaml``."""
-
-    name: str
-    ranks: int
-    micro_batch: int
-    accumulation: int
-    tokens_per_s_per_gpu: float
-    scheduler: str = "none"
-    rtt_ms: float = 0.0
-    max_walltime_s: float = math.inf
-    qos_max_nodes: int = 1
-    account: str | None = None
-    shapes: tuple[Shape, ...] = ()
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def has_scheduler(self) -> bool:
-        return self.scheduler != "none"
-
-    def shape(self, name: str) -> Shape | None:
-        return next((s for s in self.shapes if s.name == name), None)
-
-
-def _need(d: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in d or d[key] is None:
-        raise SitesConfigError(f"{where}: missing required key {key!r}")
-    return d[key]
-
-
-def _num(value: Any, key: str, where: str, *, integer: bool = False, minimum: float = 0) -> Any:
-    if isinstance(value, str) and not integer:  # YAML 1.1 reads ``1.2e4`` as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    ok_type = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, ok_type):
-        kind = "an integer" if integer else "a number"
-        raise SitesConfigError(f"{where}: {key!r} must be {kind}, got {value!r}")
-    if value < minimum or (not integer and not math.isfinite(value)):
-        raise SitesConfigError(f"{where}: {key!r} must be >= {minimum}, got {value!r}")
-    return value
-
-
-def _parse_shape(raw: Any, where: str) -> Shape:
-    if not isinstance(raw, Mapping):
-        raise SitesConfigError(f"{where}: a shape must be a mapping, got {raw!r}")
-    name = str(_need(raw, "name", where))
-    where = f"{where} {name!r}"
-    wall = _need(raw, "walltime", where)
-    try:
-        wall_s = parse_slurm_duration(wall)
-    except SlurmDurationError as exc:
-        raise SitesConfigError(f"{where}: walltime: {exc}") from exc
-    if wall_s is None or wall_s <= 0:
-        raise SitesConfigError(f"{where}: walltime must be a finite positive duration")
-    return Shape(
-        name=name,
-        partition=str(_need(raw, "partition", where)),
-        nodes=_num(_need(raw, "nodes", where), "nodes", where, integer=True, minimum=1),
-        gpus_per_node=_num(raw.get("gpus_per_node", 0), "gpus_per_node", where, integer=True),
-        walltime_s=wall_s,
-    )
-
-
-def parse_site(name: str, raw: Any) -> SiteConfig:
-    """Validate one site mapping; unknown keys are kept in ``extra``."""
-    where = f"sites.{name}"
-    if not isinstance(raw, Mapping):
-        raise SitesConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    scheduler = str(raw.get("scheduler", "none")).lower()
-    if scheduler not in {"none", "slurm"}:
-        raise SitesConfigError(f"{where}: scheduler must be 'none' or 'slurm', got {scheduler!r}")
-    shapes_raw = raw.get("shapes") or []
-    if not isinstance(shapes_raw, list):
-        raise SitesConfigError(f"{where}: shapes must be a list")
-    shapes = tuple(_parse_shape(s, f"{where}.shapes[{i}]") for i, s in enumerate(shapes_raw))
-    if len({s.name for s in shapes}) != len(shapes):
-        raise SitesConfigError(f"{where}: shape names must be unique")
-    if scheduler == "slurm" and not shapes:
-        raise SitesConfigError(f"{where}: a slurm site needs at least one shape")
-    max_wall_h = raw.get("max_walltime_h")
-    max_wall = math.inf
-    if max_wall_h is not None:
-        max_wall = _num(max_wall_h, "max_walltime_h", where) * 3600.0
-    elif scheduler == "slurm":
-        raise SitesConfigError(f"{where}: missing required key 'max_walltime_h'")
-    qos_default = None if scheduler == "slurm" else 1
-    qos = raw.get("qos_max_nodes", qos_default)
-    if qos is None:
-        raise SitesConfigError(f"{where}: missing required key 'qos_max_nodes'")
-    account = raw.get("account")
-    known = {
-        "ranks",
-        "micro_batch",
-        "accumulation",
-        "rtt_ms",
-        "scheduler",
-        "max_walltime_h",
-        "qos_max_nodes",
-        "tokens_per_s_per_gpu",
-        "account",
-        "shapes",
-    }
-    return SiteConfig(
-        name=name,
-        ranks=_num(_need(raw, "ranks", where), "ranks", where, integer=True, minimum=1),
-        micro_batch=_num(
-            _need(raw, "micro_batch", where), "micro_batch", where, integer=True, minimum=1
-        ),
-        accumulation=_num(
-            raw.get("accumulation", 1), "accumulation", where, integer=True, minimum=1
-        ),
-        tokens_per_s_per_gpu=float(
-            _num(_need(raw, "tokens_per_s_per_gpu", where), "tokens_per_s_per_gpu", where)
-        ),
-        scheduler=scheduler,
-        rtt_ms=float(_num(raw.get("rtt_ms", 0), "rtt_ms", where)),
-        max_walltime_s=float(max_wall),
-        qos_max_nodes=_num(qos, "qos_max_nodes", where, integer=True, minimum=1),
-        account=None if account in (None, "") else str(account),
-        shapes=shapes,
-        extra={k: v for k, v in raw.items() if k not in known},
-    )
-
-
-def parse_sites(data: Any, *, source: str = "sites config") -> dict[str, SiteConfig]:
-    """Validate the ``sites:`` mapping of a loaded sites.yaml."""
-    if not isinstance(data, Mapping) or not isinstance(data.get("sites"), Mapping):
-        raise SitesConfigError(f"{source}: expected a top-level 'sites:' mapping")
-    if not data["sites"]:
-        raise SitesConfigError(f"{source}: 'sites:' is empty")
-    return {str(n): parse_site(str(n), raw) for n, raw in data["sites"].items()}
-
-
-def load_sites_yaml(path: str | Path) -> dict[str, Any]:
-    """The raw mapping of a sites.yaml, with clear errors for a missing or broken file."""
-    p = Path(path)
-    if not p.is_file():
-        raise SitesConfigError(f"sites config not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise SitesConfigError(f"{p}: invalid YAML: {exc}") from exc
-    if not isinstance(data, Mapping):
-        raise SitesConfigError(f"{p}: expected a mapping at the top level")
-    return dict(data)
-
-
-def load_sites(path: str | Path) -> dict[str, SiteConfig]:
-    """Load and validate ``config/sites.yaml``."""
-    return parse_sites(load_sites_yaml(path), source=str(path))
 
 
 # ----------------------------------------------------------------------------- parsing

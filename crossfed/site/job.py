@@ -30,6 +30,7 @@ from crossfed.site.loop import (
 from crossfed.site.slurm import slurm_allocation
 
 if TYPE_CHECKING:  # the runner imports torchtitan: only a training job needs it
+    from crossfed.sched.sites import SiteConfig
     from crossfed.site.records import SiteSettings
 
 
@@ -78,7 +79,7 @@ def site_job(
     entry: dict[str, Any] = {}
     if plan_path and Path(plan_path).exists():
         entry = json.loads(Path(plan_path).read_text()).get("sites", {}).get(site, {}) or {}
-    accumulation = entry.get("accumulation") or sites[site]["accumulation"]
+    accumulation = entry.get("accumulation") or sites[site].accumulation
     settings = site_settings(config, site, sites[site], accumulation)
     if short_requests(sites[site]):
         settings = replace(settings, inline_max_bytes=0)
@@ -95,7 +96,7 @@ def relaunch(config: dict[str, Any], site: str, argv: list[str]) -> int | None:
 
     if config["launcher"]["kind"] != "torchrun" or under_torchrun():
         return None
-    return relaunch_ranks(load_sites(config)[site]["ranks"], argv, config["launcher"])
+    return relaunch_ranks(load_sites(config)[site].ranks, argv, config["launcher"])
 
 
 def chain_job(
@@ -191,7 +192,7 @@ def chain_job(
 
 
 def site_settings(
-    config: dict[str, Any], site_name: str, site: dict[str, Any], accumulation: int | None = None
+    config: dict[str, Any], site_name: str, site: SiteConfig, accumulation: int | None = None
 ) -> SiteSettings:
     """Settings of one site job; ``accumulation`` may come from the plan (filling the barrier)."""
     from crossfed.site.records import SiteSettings
@@ -206,13 +207,13 @@ def site_settings(
         block_size=config["data"]["block_size"],
         data_seed=config["data"]["seed"],
         inner=InnerConfig(
-            micro_batch=site["micro_batch"],
-            ranks=site["ranks"],
-            accumulation=accumulation or site["accumulation"],
+            micro_batch=site.micro_batch,
+            ranks=site.ranks,
+            accumulation=accumulation or site.accumulation,
             weight_decay=inner["weight_decay"],
             grad_clip=inner["grad_clip"],
-            slowdown=site["slowdown"],
-            min_step_s=site["min_step_s"],
+            slowdown=site.slowdown,
+            min_step_s=site.min_step_s,
         ),
         heartbeat_s=config["darl"]["heartbeat_s"],
         inline_max_bytes=config["transport"]["inline_max_bytes"],

@@ -17,8 +17,6 @@ import pytest
 
 from crossfed.sched.probe import (
     ProbeReason,
-    Shape,
-    SiteConfig,
     parse_test_only,
     run_test_only,
     sbatch_argv,
@@ -31,6 +29,7 @@ from crossfed.sched.sacct import (
     sacct_window_start,
     walltime_discount,
 )
+from crossfed.sched.sites import Shape, SiteConfig
 from tests.helpers.slurm_cluster import SlurmTestCluster, SlurmUnavailable, free_ports, skip_or_fail
 
 ISO = re.compile(r"to start at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d ")

@@ -25,14 +25,8 @@ from crossfed.sched.planner import (
     read_plan,
     write_plan,
 )
-from crossfed.sched.probe import (
-    ProbeReason,
-    ProbeResult,
-    Shape,
-    SiteConfig,
-    probe_frame,
-    probe_row,
-)
+from crossfed.sched.probe import ProbeReason, ProbeResult, probe_frame, probe_row
+from crossfed.sched.sites import Shape, SiteConfig
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 H = 3600.0

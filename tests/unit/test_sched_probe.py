@@ -14,13 +14,8 @@ from crossfed.sched.probe import (
     LOCAL_DETAIL,
     ProbeReason,
     ProbeTableError,
-    Shape,
-    SiteConfig,
-    SitesConfigError,
     append_history,
     collect_probes,
-    load_sites,
-    parse_sites,
     parse_test_only,
     read_probes,
     run_test_only,
@@ -28,6 +23,7 @@ from crossfed.sched.probe import (
     subprocess_runner,
     write_probes,
 )
+from crossfed.sched.sites import Shape, SiteConfig, SitesConfigError, parse_sites, read_sites_file
 from crossfed.sched.slurm_messages import ADVICE, Advice, advice_for
 from tests.helpers import DATA
 
@@ -210,7 +206,7 @@ sites:
 def test_load_sites(tmp_path) -> None:
     p = tmp_path / "sites.yaml"
     p.write_text(SITES_YAML)
-    sites = load_sites(p)
+    sites = read_sites_file(p)
     s = sites["snellius"]
     assert s.has_scheduler and s.max_walltime_s == 120 * 3600 and s.qos_max_nodes == 4
     assert s.tokens_per_s_per_gpu == 12000.0  # YAML 1.1 reads 1.2e4 as a string
@@ -260,20 +256,18 @@ def test_sites_config_errors_name_the_problem(site: dict, message: str) -> None:
 
 def test_sites_file_errors(tmp_path) -> None:
     with pytest.raises(SitesConfigError, match="not found"):
-        load_sites(tmp_path / "missing.yaml")
+        read_sites_file(tmp_path / "missing.yaml")
     (tmp_path / "bad.yaml").write_text("sites: [\n")
     with pytest.raises(SitesConfigError, match="invalid YAML"):
-        load_sites(tmp_path / "bad.yaml")
+        read_sites_file(tmp_path / "bad.yaml")
     (tmp_path / "empty.yaml").write_text("other: 1\n")
     with pytest.raises(SitesConfigError, match="'sites:'"):
-        load_sites(tmp_path / "empty.yaml")
+        read_sites_file(tmp_path / "empty.yaml")
 
 
 # ----------------------------------------------------------------------------- Slurm 22.05-25.11
 
-SLURM_DATA = yaml.safe_load(
-    (DATA / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text()
-)
+SLURM_DATA = yaml.safe_load((DATA / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text())
 GENERIC_POLICY = (
     "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)"
 )

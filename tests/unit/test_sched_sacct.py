@@ -10,15 +10,17 @@ import pandas as pd
 import pytest
 import yaml
 
+from crossfed.sched.durations import (
+    SlurmDurationError,
+    format_slurm_duration,
+    parse_slurm_duration,
+)
 from crossfed.sched.sacct import (
     JobLogError,
     SacctParseError,
-    SlurmDurationError,
     SlurmTimeError,
-    format_slurm_duration,
     load_job_log,
     parse_sacct,
-    parse_slurm_duration,
     parse_slurm_time,
     per_gpu_rates,
     walltime_discount,
