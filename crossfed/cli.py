@@ -294,8 +294,8 @@ def _warn_schedule(status: dict[str, Any], spec: Any) -> None:
 
 
 def cmd_run_init(args: argparse.Namespace) -> int:
-    from crossfed.coordinator.client import Refused
     from crossfed.coordinator.embedded import client_for
+    from crossfed.coordinator.http_client import Refused
     from crossfed.launch import run_spec
     from crossfed.outer import OuterConfig
 
@@ -648,8 +648,8 @@ def _admin_read(config: dict[str, Any], live: Any, stopped: Any) -> tuple[Any, b
     """``live(client)`` from the running coordinator, else ``stopped(state_dir)`` from the
     state directory it left (an embedded coordinator that has stopped, or one out of reach
     whose state is on this machine). Returns the answer and whether it was live."""
-    from crossfed.coordinator.client import Unreachable
     from crossfed.coordinator.embedded import EndpointError, client_for
+    from crossfed.coordinator.http_client import Unreachable
     from crossfed.coordinator.service import CoordinatorError
 
     state_dir = Path(config["coordinator"]["state_dir"])
@@ -1149,8 +1149,8 @@ def _run(argv: list[str] | None) -> int:
         print(f"crossfed: config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from crossfed.coordinator.client import Refused, Unreachable
         from crossfed.coordinator.embedded import EndpointError
+        from crossfed.coordinator.http_client import Refused, Unreachable
 
         if isinstance(exc, Refused | Unreachable | EndpointError):
             print(f"crossfed: {exc}", file=sys.stderr)

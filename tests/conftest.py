@@ -16,7 +16,6 @@ import pytest
 import torch
 import yaml
 
-from crossfed.coordinator.client import CoordinatorClient
 from crossfed.coordinator.embedded import (
     EndpointError,
     ensure_secrets,
@@ -25,6 +24,7 @@ from crossfed.coordinator.embedded import (
     spawn_coordinator,
     wait_until_serving,
 )
+from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.coordinator.service import Coordinator
 from crossfed.darl.blockspace import BlockSpace

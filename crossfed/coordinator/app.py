@@ -37,7 +37,7 @@ from crossfed.coordinator.guards import (
     StatusStats,
     bearer_token,
 )
-from crossfed.coordinator.ranged import RangedFile
+from crossfed.coordinator.http_ranged import RangedFile
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
 from crossfed.coordinator.service import Coordinator, CoordinatorError
 from crossfed.coordinator.status_page import add_ui_routes

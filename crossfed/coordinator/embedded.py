@@ -20,7 +20,7 @@ import yaml
 from crossfed.fileio import write_atomic
 
 if TYPE_CHECKING:  # the client imports torch (weights on the wire): only clients need it
-    from crossfed.coordinator.client import CoordinatorClient
+    from crossfed.coordinator.http_client import CoordinatorClient
 
 ENDPOINT = "endpoint.json"
 
@@ -75,7 +75,7 @@ def coordinator_url(config: dict[str, Any]) -> str:
 
 def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorClient:
     """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``."""
-    from crossfed.coordinator.client import CoordinatorClient
+    from crossfed.coordinator.http_client import CoordinatorClient
     from crossfed.wire.digests import PART_BYTES
 
     kwargs.setdefault("part_bytes", config.get("transport", {}).get("part_bytes", PART_BYTES))

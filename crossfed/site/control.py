@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from crossfed.coordinator.client import CoordinatorClient, Refused
+from crossfed.coordinator.http_client import CoordinatorClient, Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.fileio import keep_global_model
 from crossfed.progress import site_prefix

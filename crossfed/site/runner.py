@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from crossfed.coordinator.client import CoordinatorClient
 from crossfed.coordinator.faults import crash_point
+from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
 from crossfed.fileio import write_atomic

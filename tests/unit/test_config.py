@@ -15,7 +15,7 @@ import yaml
 
 from crossfed.cli import main
 from crossfed.config import ConfigError, check_run, load_run_config, load_sites
-from crossfed.coordinator.client import Refused
+from crossfed.coordinator.http_client import Refused
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
 from crossfed.fileio import INLINE_MAX_BYTES
 from crossfed.flavours import FLAVOURS, flavour_error

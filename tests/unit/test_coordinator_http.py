@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from crossfed.coordinator.client import Refused
+from crossfed.coordinator.http_client import Refused
 from crossfed.darl.ledger import COMMITTED_TABLE
 from tests.conftest import LiveCoordinator, digest_of
 

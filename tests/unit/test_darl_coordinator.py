@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from crossfed.coordinator.client import Refused
+from crossfed.coordinator.http_client import Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.ledger import COMMITTED_TABLE
 from crossfed.train.windows import read_meta

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from crossfed.coordinator.app import Tokens, create_app
-from crossfed.coordinator.client import CoordinatorClient, Refused
 from crossfed.coordinator.embedded import ensure_secrets, free_port
+from crossfed.coordinator.http_client import CoordinatorClient, Refused
 from crossfed.coordinator.service import Coordinator
 from crossfed.coordinator.status_page import session_value
 from crossfed.wire.digests import digest_file
