@@ -296,7 +296,7 @@ def _warn_schedule(status: dict[str, Any], spec: Any) -> None:
 def cmd_run_init(args: argparse.Namespace) -> int:
     from crossfed.coordinator.embedded import client_for
     from crossfed.coordinator.http_client import Refused
-    from crossfed.launch import run_spec
+    from crossfed.coordinator.runspec import run_spec
     from crossfed.outer import OuterConfig
 
     config = _config(args)

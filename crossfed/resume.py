@@ -107,8 +107,8 @@ def check_rerun(config: Mapping[str, Any], sites: Mapping[str, SiteConfig]) -> N
         describe,
         differences,
         resolve_outer,
+        run_spec,
     )
-    from crossfed.launch import run_spec
 
     recorded = RunSpec.from_dict(json.loads(run_path.read_text())["spec"])
     changes = differences(recorded, resolve_outer(run_spec(dict(config), dict(sites)), recorded))

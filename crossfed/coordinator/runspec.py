@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.train.schedule import LRSchedule
+
+if TYPE_CHECKING:
+    from crossfed.sched.sites import SiteConfig
 
 
 class RunSpecError(ValueError):
@@ -131,3 +135,39 @@ def differences(old: RunSpec, new: RunSpec) -> dict[str, tuple[Any, Any]]:
 def describe(changes: dict[str, tuple[Any, Any]]) -> str:
     """``a.b: 1 -> 2, c: x -> y`` for an error message."""
     return ", ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.items())
+
+
+def run_spec(config: dict[str, Any], sites: Mapping[str, SiteConfig]) -> RunSpec:
+    """The coordinator's view of a validated run config; the data's meta.json fixes N and the
+    vocabulary (``crossfed run init`` sends it, a rerun compares against it)."""
+    from pathlib import Path
+
+    from crossfed.train.windows import read_meta
+
+    meta = read_meta(Path(config["data"]["dir"]))
+    inner = config["inner"]
+    return RunSpec(
+        n_windows=int(meta["n_windows"]),
+        block_size=config["data"]["block_size"],
+        data_seed=config["data"]["seed"],
+        flavour=config["model"]["flavour"],
+        vocab_size=int(meta["vocab_size"]),
+        seq_len=int(meta["seq_len"]),
+        model_seed=config["model"]["seed"],
+        inner_steps=inner["steps"],
+        sites={name: site.ranks for name, site in sites.items()},
+        outer=OuterConfig(**config["outer"]),
+        schedule=LRSchedule(
+            peak_lr=inner["lr"],
+            warmup_steps=inner["warmup_steps"],
+            total_steps=inner["steps"] * config["rounds"],
+            min_lr_factor=inner["min_lr_factor"],
+        ),
+        rounds=RoundPolicy(**config["round_policy"]),
+        leases=LeasePolicy(
+            alpha=config["darl"]["alpha"],
+            beta_rtt=config["darl"]["beta_rtt"],
+            min_ttl_s=config["darl"]["min_ttl_s"],
+            initial_ttl_s=config["darl"]["initial_ttl_s"],
+        ),
+    )

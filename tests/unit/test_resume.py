@@ -11,9 +11,8 @@ import pytest
 import yaml
 
 from crossfed.config import ConfigError, load_run_config, load_sites
-from crossfed.coordinator.runspec import RunSpec, differences
+from crossfed.coordinator.runspec import RunSpec, differences, run_spec
 from crossfed.coordinator.service import Coordinator, CoordinatorError
-from crossfed.launch import run_spec
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
