@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from crossfed.fileio import write_atomic
+from crossfed.sched.sites import load_sites_yaml
 
 LOG_COLUMNS = [
     "site",
@@ -185,11 +186,9 @@ def _shape_gpus(sites_yaml: Path | None, plan_paths: Sequence[Path]) -> dict[str
     """GPUs of each site's planned job shape (the latest plan that names one)."""
     if sites_yaml is None:
         return {}
-    from crossfed.config import read_yaml
-
     shapes = {
         site: {s["name"]: s["nodes"] * s["gpus_per_node"] for s in cfg.get("shapes", [])}
-        for site, cfg in read_yaml(sites_yaml).get("sites", {}).items()
+        for site, cfg in load_sites_yaml(sites_yaml).get("sites", {}).items()
     }
     gpus: dict[str, int] = {}
     for path in plan_paths:
@@ -202,9 +201,7 @@ def _shape_gpus(sites_yaml: Path | None, plan_paths: Sequence[Path]) -> dict[str
 
 
 def _configured(sites_yaml: Path) -> dict[str, int]:
-    from crossfed.config import read_yaml
-
-    sites = read_yaml(sites_yaml).get("sites", {})
+    sites = load_sites_yaml(sites_yaml).get("sites", {})
     return {name: int(cfg.get("accumulation", 1)) for name, cfg in sites.items()}
 
 

@@ -209,7 +209,7 @@ def _from_run_config(args: argparse.Namespace) -> None:
     these numbers, so a rerun with more rounds changes no finished job's parameters.
     """
     from crossfed.config import load_run_config, load_sites
-    from crossfed.site.job import tokens_per_round
+    from crossfed.sched.sites import tokens_per_round
 
     config = load_run_config(Path(args.config))
     sites = load_sites(config)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from crossfed.fileio import write_atomic
 from crossfed.progress import site_prefix
+from crossfed.sched.sites import tokens_per_round
 from crossfed.site.loop import (
     ChainError,
     ChainOutcome,
@@ -32,11 +33,6 @@ from crossfed.site.slurm import slurm_allocation
 if TYPE_CHECKING:  # the runner imports torchtitan: only a training job needs it
     from crossfed.sched.sites import SiteConfig
     from crossfed.site.records import SiteSettings
-
-
-def tokens_per_round(config: Mapping[str, Any], windows_per_step: int) -> int:
-    """Tokens one site trains in one round: H * seq_len * (B * W * A windows a step)."""
-    return int(config["inner"]["steps"]) * int(config["data"]["seq_len"]) * windows_per_step
 
 
 def proxy_env(config: Mapping[str, Any]) -> dict[str, str]:
