@@ -127,16 +127,20 @@ def kept_model_path(results: Path, generation: int) -> Path:
 
 
 def link_or_copy(source: Path, dest: Path) -> None:
-    """``dest`` as a hard link to ``source`` (a copy across filesystems), replaced atomically."""
+    """``dest`` as a hard link to ``source`` (a copy across filesystems), put in place as
+    every file is (a temp name beside it, a durable rename)."""
     import shutil
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.link")
-    try:
-        os.link(source, tmp)
-    except OSError:  # another filesystem
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, dest)
+    with temp_beside(dest) as tmp:
+        tmp.unlink()  # the name is ours alone; the link takes it
+        try:
+            os.link(source, tmp)
+        except OSError:  # another filesystem: a copy, fsynced
+            with open(source, "rb") as src, atomic_file(dest) as out:
+                shutil.copyfileobj(src, out, 16 << 20)
+            return
+        replace_durably(tmp, dest)
 
 
 def keep_global_model(downloaded: Path, results: Path, generation: int) -> None:

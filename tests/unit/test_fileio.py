@@ -83,3 +83,29 @@ def test_temp_beside_removes_its_file_unless_it_was_put_in_place(tmp_path: Path)
         tmp.write_bytes(b"half")
         raise ValueError("tokenizer failed")
     assert target.read_bytes() == b"windows" and _others(tmp_path, target.name) == []
+
+
+def test_link_or_copy_links_on_one_filesystem_and_copies_across(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import errno
+
+    from crossfed.fileio import link_or_copy
+
+    source = tmp_path / "model.safetensors"
+    source.write_bytes(b"weights" * 1000)
+    linked = tmp_path / "kept" / "global-3.safetensors"
+    link_or_copy(source, linked)
+    assert linked.read_bytes() == source.read_bytes()
+    assert os.stat(linked).st_ino == os.stat(source).st_ino  # a hard link, no copy
+
+    def cross_device(src, dst):  # what the kernel answers across filesystems
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    copied = tmp_path / "other" / "global-3.safetensors"
+    link_or_copy(source, copied)
+    assert copied.read_bytes() == source.read_bytes()
+    assert os.stat(copied).st_ino != os.stat(source).st_ino
+    leftovers = [p.name for p in tmp_path.rglob(".*")]
+    assert leftovers == [], leftovers  # no temp file left behind either way
