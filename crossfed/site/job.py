@@ -23,6 +23,7 @@ from crossfed.site.loop import (
     ChainOutcome,
     ChainSettings,
     history_durations,
+    plan_entry,
     planned_accumulation,
     read_records,
     round_prior_s,
@@ -72,9 +73,7 @@ def site_job(
     sites = load_sites(config)
     if site not in sites:
         raise ConfigError(f"unknown site {site!r}; sites are {list(sites)}")
-    entry: dict[str, Any] = {}
-    if plan_path and Path(plan_path).exists():
-        entry = json.loads(Path(plan_path).read_text()).get("sites", {}).get(site, {}) or {}
+    entry = plan_entry(plan_path, site) if plan_path and Path(plan_path).exists() else {}
     accumulation = entry.get("accumulation") or sites[site].accumulation
     settings = site_settings(config, site, sites[site], accumulation)
     if short_requests(sites[site]):

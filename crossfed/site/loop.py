@@ -259,6 +259,15 @@ def run_chain(
     return out
 
 
+def plan_entry(path: Any, site: str) -> dict[str, Any]:
+    """``site``'s entry of a plan file ({} when the plan names no such site); a missing or
+    unreadable file raises (OSError, ValueError)."""
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(path).read_text()).get("sites", {}).get(site) or {}
+
+
 def planned_accumulation(results: Any, site: str, round_no: int) -> int | None:
     """The accumulation A the newest plan of round ``round_no`` or earlier gives ``site``.
 
@@ -267,17 +276,13 @@ def planned_accumulation(results: Any, site: str, round_no: int) -> int | None:
     round, and the plan of an earlier round when the round's own is not written yet, so it
     never waits for a plan. None: no plan gives one (the site's configured A holds).
     """
-    import json
     from pathlib import Path
 
     for r in range(round_no, 0, -1):
-        path = Path(results) / "rounds" / str(r) / "plan.json"
         try:
-            entry = json.loads(path.read_text()).get("sites", {}).get(site) or {}
-        except FileNotFoundError:
-            continue
+            entry = plan_entry(Path(results) / "rounds" / str(r) / "plan.json", site)
         except (OSError, ValueError, AttributeError):
-            continue  # a plan being replaced or unreadable: the one before it
+            continue  # not written yet, or unreadable: the plan before it
         if entry.get("accumulation"):
             return int(entry["accumulation"])
     return None
