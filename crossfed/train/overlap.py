@@ -1,0 +1,97 @@
+"""Overlapped rounds: how a site folds the merged model into weights it kept training.
+
+With overlap on, a site that ends round r's inner phase sends its delta (measured against
+generation g, the model it started from) and at once trains its round r+1 lease from its own
+weights. When the merged model of round r (generation g+1) arrives, some steps later, the
+site folds it in at a step boundary; from then on its weights descend from generation g+1,
+and the delta it sends for round r+1 is measured against g+1, so the coordinator's Eq. 1
+stays exact for what it merges.
+
+Two published rules, with ``theta`` the site's weights when the merged model arrives,
+``sent`` its weights when it sent round r's delta, and ``merged`` generation g+1:
+
+* ``rebase`` (the default; the delayed outer update of "Eager updates for overlapped
+  communication and computation in DiLoCo", Kale et al. 2025, arXiv 2502.12996, without
+  their eager local term): ``theta <- merged + (theta - sent)``. The site keeps every step
+  it took during the overlap and swaps its base from its own round-r weights to the merged
+  ones, exactly as if it had waited for the merge and then taken those steps from it.
+* ``mix`` (Streaming DiLoCo's overlapped outer sync, Douillard et al. 2025, arXiv
+  2501.18512, mixing weight ``alpha``, 0.5 there): ``theta <- alpha * theta +
+  (1 - alpha) * merged``.
+
+Pure: tensors in, tensors out; the runner applies the result to its model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+RULES = ("rebase", "mix")
+
+
+class OverlapConfigError(ValueError):
+    """An overlap setting that does not name a valid rule."""
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """Whether a site trains its next lease while its delta is merged, and the fold-in rule."""
+
+    enabled: bool = False
+    rule: str = "rebase"
+    #: the site's weight in the ``mix`` rule (Streaming DiLoCo's alpha)
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise OverlapConfigError(
+                f"overlap.rule must be one of {', '.join(RULES)}, got {self.rule!r}"
+            )
+        if not 0.0 <= self.alpha <= 1.0:
+            raise OverlapConfigError(f"overlap.alpha must be in [0, 1], got {self.alpha}")
+
+    @classmethod
+    def of(cls, raw: Mapping[str, object] | bool | None) -> OverlapConfig:
+        """From the workflow config's ``overlap`` value: a bool or a mapping."""
+        if raw is None:
+            return cls()
+        if isinstance(raw, bool):
+            return cls(enabled=raw)
+        if not isinstance(raw, Mapping):
+            raise OverlapConfigError(f"overlap must be true, false or a mapping, got {raw!r}")
+        unknown = sorted(set(raw) - {"enabled", "rule", "alpha"})
+        if unknown:
+            raise OverlapConfigError(f"unknown overlap setting(s): {', '.join(unknown)}")
+        enabled = raw.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise OverlapConfigError(f"overlap.enabled must be true or false, got {enabled!r}")
+        alpha = raw.get("alpha", 0.5)
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+            raise OverlapConfigError(f"overlap.alpha must be a number, got {alpha!r}")
+        return cls(enabled=enabled, rule=str(raw.get("rule", "rebase")), alpha=float(alpha))
+
+
+@torch.no_grad()
+def fold_in(
+    theta: Mapping[str, torch.Tensor],
+    sent: Mapping[str, torch.Tensor],
+    merged: Mapping[str, torch.Tensor],
+    config: OverlapConfig,
+) -> dict[str, torch.Tensor]:
+    """The site's weights after the merged model is folded in (new tensors, float32 math,
+    each in ``theta``'s dtype). Every mapping holds the same names and shapes."""
+    if set(theta) != set(merged) or (config.rule == "rebase" and set(theta) != set(sent)):
+        missing = sorted(set(theta) ^ set(merged) | (set(theta) ^ set(sent)))
+        raise ValueError(f"fold-in over different tensors: {missing[:5]}")
+    out = {}
+    for name, now in theta.items():
+        base = merged[name].to(torch.float32)
+        if config.rule == "rebase":
+            value = base + (now.to(torch.float32) - sent[name].to(torch.float32))
+        else:
+            value = base.lerp(now.to(torch.float32), config.alpha)
+        out[name] = value.to(now.dtype)
+    return out
