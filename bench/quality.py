@@ -16,18 +16,36 @@ by the global step in all of them.
   workflow's default, or ``paper``, eta=0.7 and beta=0.9 with the solo full step; or
   ``eta=E,beta=B[,solo=0|1]``), inner AdamW state kept per site across rounds;
 * FedAvg: the same with beta=0, eta=1 (the token-weighted mean of the site models);
-* DiLoCo 1 site: one site of batch 3*B with the same outer step as the DiLoCo row.
+* DiLoCo 1 site: one site of batch 3*B with the same outer step as the DiLoCo row;
+* DiLoCo 3 sites, overlap: the DiLoCo row with overlapped rounds (``crossfed.train.overlap``).
+  Same sites, leases and outer step, but each site keeps its own weights across rounds: it
+  sends round r-1's delta and at once trains round r's lease from those weights (the stale
+  base), and the merged model of round r-1 arrives ``tau`` steps into round r's phase. There
+  the site folds it in (``fold_in(theta, sent, merged)``, ``sent`` its weights when it sent
+  its delta) and trains the remaining H - tau steps; its delta is measured against that
+  merged model, as in the DiLoCo row. Round 1 has nothing to fold in and is the plain round.
+  ``--overlap-delay F`` sets tau = max(1, round(F * H)) capped at H (Python's round, half to
+  even: F=0.5 gives tau=2 at H=3 and at H=5); F=0 gives tau=0, the merged model arriving
+  before the first step (with ``rebase`` exactly the DiLoCo row; ``mix`` still mixes).
+  ``--overlap-rule`` ``rebase`` (default; the delayed outer update of Kale et al. 2025,
+  arXiv 2502.12996: theta <- merged + theta - sent) or ``mix`` (Streaming DiLoCo, Douillard
+  et al. 2025, arXiv 2501.18512: theta <- alpha * theta + (1 - alpha) * merged, alpha from
+  ``--overlap-alpha``, default 0.5).
 
 Each H of ``--inner-steps`` and each seed of ``--seeds`` (model seed s, block order 1234 + s)
 is one set of runs; the table gives mean and sample standard deviation over seeds. The last
 line is one JSON object: per-H summaries, and ``ratio`` (DiLoCo 3 sites / centralised) and
 ``solo_over_centralised``, each the mean over seeds and H values (the paper's ratio is
-34.7 / 28.2 = 1.23). Runs are deterministic: the same command prints the same figures.
+34.7 / 28.2 = 1.23), and ``overlap_over_plain`` (overlap row / DiLoCo 3 sites, the same
+mean) with ``overlap`` (rule, alpha, delay fraction, tau per H). Runs are deterministic: the
+same command prints the same figures.
 
     .venv/bin/python bench/quality.py --threads 1 --jobs 3    # tens of minutes on 2 cores
     .venv/bin/python bench/quality.py --outer paper tuned --variants centralised diloco
     .venv/bin/python bench/quality.py --outer paper --inner-steps 10 --steps 80 --batch 8 \
         --seeds 0                                              # the issue-18 figures
+    .venv/bin/python bench/quality.py --threads 1 --jobs 3 --variants diloco overlap \
+        --overlap-rule mix --overlap-alpha 0.5                 # the mix rule against plain
 """
 
 from __future__ import annotations
@@ -47,19 +65,21 @@ from crossfed.outer import PRESETS, OuterConfig, outer_step
 from crossfed.train.inner import (
     InnerConfig,
     LeaseWindows,
+    PhaseState,
     Trainer,
     evaluate,
     make_optimizer,
     run_inner_phase,
 )
 from crossfed.train.model import build_model, load_parameters, parameters_of
+from crossfed.train.overlap import RULES, OverlapConfig, fold_in
 from crossfed.train.prepare import prepare
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
 from crossfed.wire.deltas import delta_of
 
 PAPER_RATIO = 34.7 / 28.2
-VARIANTS = ("centralised", "diloco", "fedavg", "solo")
+VARIANTS = ("centralised", "diloco", "fedavg", "solo", "overlap")
 
 
 def site_windows(
@@ -140,6 +160,72 @@ class Run:
         return ppl
 
 
+class OverlapRun(Run):
+    """The DiLoCo row with overlapped rounds: every site keeps its own weights across rounds.
+
+    ``tau`` is how many steps into a round's phase the previous round's merged model (the
+    master) arrives; the first round is plain.
+    """
+
+    def __init__(self, name, store, vocab, seed, schedule, outer, sites, inner,
+                 overlap: OverlapConfig, tau: int) -> None:  # fmt: skip
+        super().__init__(name, store, vocab, seed, schedule, outer, sites, inner)
+        self.overlap, self.tau = overlap, tau
+        #: each site's weights when it sent its last delta (None before its first round)
+        self.sent: list[dict[str, torch.Tensor] | None] = [None] * sites
+
+    def round(self, leases: list[list[int]], steps: int) -> None:
+        """Each site: tau steps from its own weights, fold in the master, the rest; merge."""
+        t0 = time.perf_counter()
+        deltas, tokens = [], []
+        for i, lease in enumerate(leases):
+            trainer = Trainer(self.model, self.optimizers[i], self.inner)
+            sent = self.sent[i]
+            state = PhaseState()
+            if sent is None:  # the first round: nothing in flight, train from the master
+                load_parameters(self.model, self.master)
+            else:
+                load_parameters(self.model, sent)
+                stale = min(self.tau, steps) * self.inner.windows_per_step
+                if stale:
+                    state = self._phase(trainer, lease[:stale], state)
+                theta = fold_in(parameters_of(self.model), sent, self.master, self.overlap)
+                load_parameters(self.model, theta)
+            state = self._phase(trainer, lease, state)
+            ended = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
+            deltas.append(delta_of(ended, self.master))
+            tokens.append(state.tokens)
+            self.sent[i] = ended
+        outer_step(self.master, self.momentum, deltas, tokens, self.outer)
+        self.global_step += steps
+        self.train_s += time.perf_counter() - t0
+
+    def _phase(self, trainer: Trainer, lease: list[int], state: PhaseState) -> PhaseState:
+        """The lease's steps from ``state``'s cursor on, the schedule at the global step."""
+        return run_inner_phase(
+            trainer,
+            self.store.windows,
+            LeaseWindows.of(as_ranges(lease)),
+            schedule=self.schedule,
+            global_step=self.global_step,
+            state=state,
+        )
+
+
+def overlap_tau(fraction: float, H: int) -> int:
+    """Steps into a round at which the merged model arrives: max(1, round(F * H)) capped at
+    H; 0 for F = 0 (before the first step)."""
+    if not fraction >= 0.0:
+        raise ValueError(f"--overlap-delay must be >= 0 (a fraction of H), got {fraction}")
+    return 0 if fraction == 0.0 else min(H, max(1, round(fraction * H)))
+
+
+def overlap_name(S: int, config: OverlapConfig, tau: int, tag: str = "") -> str:
+    """The overlap row's name, e.g. ``DiLoCo 3 sites, overlap (rebase, tau=2)``."""
+    rule = config.rule if config.rule == "rebase" else f"{config.rule} alpha={config.alpha:g}"
+    return f"DiLoCo {S} sites, overlap ({rule}, tau={tau}){tag}"
+
+
 def parse_outer(text: str) -> tuple[str, OuterConfig]:
     """An outer-step setting: a preset name, or ``eta=E,beta=B[,solo=0|1]``."""
     if text in PRESETS:
@@ -194,6 +280,11 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
         if "solo" in variants:
             runs[f"DiLoCo 1 site{tag}"] = Run("solo", store, vocab, seed, schedule, outer, 1,
                                               wide_cfg)  # fmt: skip
+        if "overlap" in variants:
+            config, tau = overlap_config(args), overlap_tau(args.overlap_delay, H)
+            runs[overlap_name(S, config, tau, tag)] = OverlapRun(
+                "overlap", store, vocab, seed, schedule, outer, S, site_cfg, config, tau
+            )
     if "fedavg" in variants:
         runs["FedAvg (beta=0, eta=1)"] = Run("fedavg", store, vocab, seed, schedule, fedavg, S,
                                              site_cfg)  # fmt: skip
@@ -220,6 +311,11 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
     }
 
 
+def overlap_config(args) -> OverlapConfig:
+    """The overlap row's fold-in rule from the command line."""
+    return OverlapConfig(enabled=True, rule=args.overlap_rule, alpha=args.overlap_alpha)
+
+
 def train_cell(args, data: Path, seed: int, H: int, outers) -> dict:
     """:func:`train_one` in a worker process (``--jobs``): its own data handles and threads."""
     torch.set_num_threads(args.threads)
@@ -244,6 +340,13 @@ def main() -> None:
     parser.add_argument("--outer", nargs="+", type=parse_outer, default=[parse_outer("tuned")],
                         help=f"outer step(s) of the DiLoCo rows: {sorted(PRESETS)} or "
                         "eta=E,beta=B[,solo=0|1]; the first one is the JSON's")  # fmt: skip
+    parser.add_argument("--overlap-delay", type=float, default=0.5,
+                        help="the overlap row's tau as a fraction F of H: max(1, round(F*H)), "
+                        "at most H; 0: the merged model arrives before the first step")  # fmt: skip
+    parser.add_argument("--overlap-rule", choices=RULES, default="rebase",
+                        help="how the overlap row folds in the merged model")  # fmt: skip
+    parser.add_argument("--overlap-alpha", type=float, default=0.5,
+                        help="the site's weight in the mix rule (Streaming DiLoCo)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--min-lr-factor", type=float, default=0.1)
@@ -257,6 +360,11 @@ def main() -> None:
     for H in args.inner_steps:
         if H < 1 or args.steps % H:
             parser.error(f"--steps {args.steps} is not a whole number of rounds of H={H}")
+    try:
+        overlap = overlap_config(args)
+        taus = {H: overlap_tau(args.overlap_delay, H) for H in args.inner_steps}
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory()
     data = Path(args.data) if args.data else Path(tmp.name) / "data"
@@ -282,15 +390,22 @@ def main() -> None:
     tokens = T * S * B * store.seq_len
     lead = "" if len(outers) == 1 else f" [{outers[0][0]}]"
     diloco, solo = f"DiLoCo {S} sites{lead}", f"DiLoCo 1 site{lead}"
+    overlapped = {H: overlap_name(S, overlap, taus[H], lead) for H in args.inner_steps}
     print()
     print(f"tokens {tokens} and {T} optimiser steps in every run; seeds {args.seeds}")
     print("| H | rounds | run | held-out perplexity (mean ± sd) | vs centralised (mean ± sd) |")
     print("|---|---|---|---|---|")
     by_h: dict[str, dict] = {}
-    ratios: dict[str, list[float]] = {"ratio": [], "solo_over_centralised": []}
+    ratios: dict[str, list[float]] = {
+        "ratio": [], "solo_over_centralised": [], "overlap_over_plain": []
+    }  # fmt: skip
+    over_plain: dict[int, list[float]] = {}
     for H in args.inner_steps:
         finals = [results[(H, s)]["final"] for s in args.seeds]
         summary: dict[str, dict] = {}
+        if diloco in finals[0] and overlapped[H] in finals[0]:
+            over_plain[H] = [f[overlapped[H]] / f[diloco] for f in finals]
+            ratios["overlap_over_plain"].extend(over_plain[H])
         for name in finals[0]:
             ppl = [f[name] for f in finals]
             rel = [f[name] / f["centralised"] for f in finals] if "centralised" in finals[0] else []
@@ -306,7 +421,17 @@ def main() -> None:
                     ratios["ratio"].extend(rel)
                 if name == solo:
                     ratios["solo_over_centralised"].extend(rel)
+        if H in over_plain:
+            summary[overlapped[H]]["over_plain"] = round(mean_std(over_plain[H])[0], 4)
+            summary[overlapped[H]]["over_plain_sd"] = round(mean_std(over_plain[H])[1], 4)
         by_h[str(H)] = summary
+    if over_plain:
+        print()
+        print(f"| H | rounds | tau | overlap ({overlap.rule}) / {diloco}, perplexity (mean ± sd) |")
+        print("|---|---|---|---|")
+        for H, values in over_plain.items():
+            m, sd = mean_std(values)
+            print(f"| {H} | {T // H} | {taus[H]} | {m:.4f} ± {sd:.4f} |")
     result = {
         "benchmark": "quality",
         "model": "tiny",
@@ -324,6 +449,13 @@ def main() -> None:
         "train_s": {f"H={H} seed={s}": v["train_s"] for (H, s), v in results.items()},
         "paper_diloco_over_centralised": round(PAPER_RATIO, 4),
     }
+    if "overlap" in args.variants:
+        result["overlap"] = {
+            "rule": overlap.rule,
+            "alpha": overlap.alpha,
+            "delay_fraction": args.overlap_delay,
+            "tau": {str(H): tau for H, tau in taus.items()},
+        }
     for key, values in ratios.items():  # mean over seeds and H values
         result[key] = round(mean_std(values)[0], 4) if values else None
     print(json.dumps(result))
