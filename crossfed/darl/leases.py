@@ -6,9 +6,15 @@ gives the same book. Positions index the epoch's block permutation
 whose first `consumed` are trained. A lease is live while now < expires_at; it dies when
 `expire(now)` runs (or is released), and only then do its blocks return to the pool.
 
+Two leases per site (overlapped rounds): a site holds at most `MAX_LEASES_PER_SITE` active
+leases, at most one per round, and takes its second only for a later round than the one it
+holds (the lease of round r uploading and committing while round r+1's trains). A grant or a
+steal for round r is refused (`already_holding`) while the site holds a lease of round r or
+later, or holds two. A steal never takes from the thief's own other lease.
+
 Per-site accounting (paper Table 3): steals move the stolen tail from the victim's
 `blocks_granted` to the thief's, so for every site
-`blocks_granted == blocks_committed + blocks_lost + blocks held in its active lease`, where
+`blocks_granted == blocks_committed + blocks_lost + blocks held in its active leases`, where
 `blocks_lost` counts every granted block that went back to the pool uncommitted (TTL expiry,
 clean release, or the untrained rest of a commit).
 
@@ -37,6 +43,7 @@ __all__ = [
     "LeaseBook",
     "LeaseError",
     "LeaseSizingError",
+    "MAX_LEASES_PER_SITE",
     "SiteStats",
     "lease_blocks",
     "lease_ttl",
@@ -45,6 +52,7 @@ __all__ = [
 
 ACTIVE, COMMITTED, EXPIRED, RELEASED = "active", "committed", "expired", "released"
 RATE_WINDOW = 4  # a site's commit rate is measured over its last RATE_WINDOW commits
+MAX_LEASES_PER_SITE = 2  # one committing while the next round's trains (overlapped rounds)
 
 
 class LeaseError(Exception):
@@ -137,7 +145,7 @@ class LeaseBook:
         self._pooled = self.n_blocks
         self._leases: dict[int, Lease] = {}
         self._active: dict[int, Lease] = {}
-        self._by_site: dict[str, Lease] = {}
+        self._by_site: dict[str, list[Lease]] = {}  # a site's active leases, oldest round first
         self._expiry: list[tuple[float, int]] = []  # (expires_at, lease_id), lazily deleted
         self._stats: dict[str, SiteStats] = {}
         self._next_id = 1
@@ -222,7 +230,7 @@ class LeaseBook:
             "next_id": self._next_id,
             "leases": {i: dataclasses.asdict(v) for i, v in self._leases.items()},
             "active": sorted(self._active),
-            "by_site": {s: v.lease_id for s, v in sorted(self._by_site.items())},
+            "by_site": {s: [v.lease_id for v in held] for s, held in sorted(self._by_site.items())},
             "stats": {s: dataclasses.asdict(v) for s, v in self._stats.items()},
             "pacing": {
                 s: (list(self._rates.get(s, ())), self._requested.get(s), self._seen.get(s))
@@ -282,7 +290,7 @@ class LeaseBook:
     # ---- commands ------------------------------------------------------------------------
 
     def register(self, site: str, now: float) -> None:
-        """A site joins (again): counts one entry. Its old lease, if any, lives on its TTL."""
+        """A site joins (again): counts one entry. Its old leases, if any, live on their TTL."""
         self._check_site_name(site)
         now = _finite("now", now)
         self._stats.setdefault(site, SiteStats()).entries += 1
@@ -300,14 +308,15 @@ class LeaseBook:
         """Lease one contiguous span of up to n_blocks from the lowest pooled position.
 
         `requested` is what the site asked for before sizing (default n_blocks); the book
-        keeps it to measure the site's pace (see `grant_size`).
+        keeps it to measure the site's pace (see `grant_size`). Refused (`already_holding`)
+        while the site holds a lease of `round_no` or a later round, or two leases.
         """
         stats = self._site(site)
         n_blocks = _count("n_blocks", n_blocks, 1)
         requested = n_blocks if requested is None else _count("requested", requested, 1)
         now, ttl_s = _finite("now", now), _finite("ttl_s", ttl_s, positive=True)
         round_no = _count("round_no", round_no)
-        self._check_not_holding(site)
+        self._check_not_holding(site, round_no)
         self._requested[site] = requested
         self._seen[site] = now
         span = self._take(n_blocks)
@@ -343,12 +352,13 @@ class LeaseBook:
         The victim keeps its consumed blocks, the one in progress and half (rounded down) of
         the rest; the thief gets the remaining tail. "Largest" means the largest stealable
         rest (n_blocks - consumed - 1), ties to the lowest lease id. None when no lease has
-        a rest of at least one block.
+        a rest of at least one block. The victim is another site's lease, never the thief's
+        own (a thief may hold a lease of an earlier round: see `grant` for when it may not).
         """
         stats = self._site(site)
         now, ttl_s = _finite("now", now), _finite("ttl_s", ttl_s, positive=True)
         round_no = _count("round_no", round_no)
-        self._check_not_holding(site)
+        self._check_not_holding(site, round_no)
         if self._pooled:
             raise LeaseError("pool_not_empty", f"{self._pooled} blocks are pooled; grant instead")
         self._seen[site] = now
@@ -480,10 +490,24 @@ class LeaseBook:
             raise LeaseError("unknown_site", f"site {site!r} has not registered")
         return stats
 
-    def _check_not_holding(self, site: str) -> None:
-        held = self._by_site.get(site)
-        if held is not None:
-            raise LeaseError("already_holding", f"site {site!r} holds active lease {held.lease_id}")
+    def _check_not_holding(self, site: str, round_no: int) -> None:
+        """Refuse a site's new lease for `round_no` unless it is the site's second at most and
+        for a later round than the one it holds."""
+        held = self._by_site.get(site, [])
+        if len(held) >= MAX_LEASES_PER_SITE:
+            ids = ", ".join(str(v.lease_id) for v in held)
+            raise LeaseError(
+                "already_holding",
+                f"site {site!r} holds {len(held)} active leases ({ids}), the most a site may",
+            )
+        later = [v for v in held if v.round_no >= round_no]
+        if later:
+            raise LeaseError(
+                "already_holding",
+                f"site {site!r} holds active lease {later[0].lease_id} of round "
+                f"{later[0].round_no}; a second lease must be for a later round than "
+                f"{later[0].round_no}, not {round_no}",
+            )
 
     def _get(self, lease_id: int) -> Lease:
         ok = isinstance(lease_id, int | np.integer) and not isinstance(lease_id, bool)
@@ -532,14 +556,18 @@ class LeaseBook:
         self._next_id += 1
         self._leases[lease.lease_id] = lease
         self._active[lease.lease_id] = lease
-        self._by_site[site] = lease
+        self._by_site.setdefault(site, []).append(lease)  # a later round than any it holds
         self._push_expiry(lease)
         return dataclasses.replace(lease)
 
     def _close(self, lease: Lease, status: str) -> None:
         lease.status = status
         del self._active[lease.lease_id]
-        del self._by_site[lease.site]
+        held = [v for v in self._by_site[lease.site] if v is not lease]
+        if held:
+            self._by_site[lease.site] = held
+        else:
+            del self._by_site[lease.site]
 
     def _push_expiry(self, lease: Lease) -> None:
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))

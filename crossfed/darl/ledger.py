@@ -41,7 +41,7 @@ log = logging.getLogger("crossfed.darl")
 EVENTS_TABLE = "darl_events"
 CHECKPOINT_TABLE = "darl_checkpoints"
 #: the LeaseBook layout a checkpoint holds; change it when LeaseBook's attributes change
-CHECKPOINT_FORMAT = "leasebook-pickle-1"
+CHECKPOINT_FORMAT = "leasebook-pickle-2"  # 2: a site holds a list of leases
 #: events between checkpoints by default (replaying them takes about a tenth of a second)
 CHECKPOINT_EVERY = 10_000
 COMMITTED_TABLE = "darl_committed"

@@ -76,6 +76,99 @@ def test_grant_errors():
         assert code_of(e) == "bad_argument"
 
 
+# ---- two leases per site (overlapped rounds) -----------------------------------------------
+
+
+def held_sum(book: LeaseBook, site: str) -> int:
+    return sum(v.n_blocks for v in book.active_leases() if v.site == site)
+
+
+def test_a_second_lease_for_a_later_round_is_granted_beside_the_first():
+    book = book_with("a", "b", n_blocks=20)
+    first = book.grant("a", 6, 0.0, TTL, 1)
+    other = book.grant("b", 4, 0.0, TTL, 1)
+    early = book.grant("a", 5, 1.0, TTL, 2)  # the next round's, while round 1's is live
+    assert (first.start, first.end, early.start, early.end) == (0, 6, 10, 15)
+    assert (early.round_no, early.site) == (2, "a")
+    assert sorted(book.active_sites(1)) == ["a", "b"] and book.active_sites(2) == ["a"]
+    assert book.active_sites(3) == []
+    assert book.snapshot()["by_site"] == {"a": [first.lease_id, early.lease_id], "b": [2]}
+    assert other.lease_id == 2
+    stats = book.site_stats()["a"]
+    assert (stats.grants, stats.blocks_granted) == (2, 11)
+    assert stats.blocks_granted == stats.blocks_committed + stats.blocks_lost + held_sum(book, "a")
+    # each lease heartbeats and commits on its own
+    assert book.heartbeat(first.lease_id, "a", 3, 2.0).consumed == 3
+    assert book.heartbeat(early.lease_id, "a", 1, 2.0).consumed == 1
+    book.commit(first.lease_id, "a", 6, 3.0)
+    assert book.active_sites(1) == ["b"] and book.active_sites(2) == ["a"]
+    assert book.lease(early.lease_id).status == "active"
+    stats = book.site_stats()["a"]
+    assert stats.blocks_granted == stats.blocks_committed + stats.blocks_lost + held_sum(book, "a")
+    assert (stats.blocks_committed, held_sum(book, "a")) == (6, 5)
+
+
+def test_a_second_lease_is_refused_for_the_same_or_an_earlier_round_and_a_third_always():
+    book = book_with("a", n_blocks=30)
+    held = book.grant("a", 4, 0.0, TTL, 2)
+    for round_no in (2, 1, 0):  # the round it holds, or an earlier one
+        before = book.snapshot()
+        with pytest.raises(LeaseError) as e:
+            book.grant("a", 4, 1.0, TTL, round_no)
+        assert code_of(e) == "already_holding"
+        assert f"lease {held.lease_id} of round 2" in str(e.value)
+        assert book.snapshot() == before
+    book.grant("a", 4, 1.0, TTL, 3)
+    for round_no in (4, 9):  # two held: a third is refused whatever its round
+        before = book.snapshot()
+        with pytest.raises(LeaseError) as e:
+            book.grant("a", 4, 2.0, TTL, round_no)
+        assert code_of(e) == "already_holding" and "2 active leases" in str(e.value)
+        assert book.snapshot() == before
+    # once round 2's lease is committed, the site may lease for round 4, never for round 3
+    book.commit(held.lease_id, "a", 4, 3.0)
+    with pytest.raises(LeaseError) as e:
+        book.grant("a", 4, 3.0, TTL, 3)
+    assert code_of(e) == "already_holding"
+    assert book.grant("a", 4, 3.0, TTL, 4).round_no == 4
+
+
+def test_steal_never_takes_from_the_thiefs_own_other_lease():
+    book = book_with("t", n_blocks=10)
+    own = book.grant("t", 10, 0.0, TTL, 1)  # the pool is dry; only t's own lease has a rest
+    assert book.steal("t", 1.0, TTL, 2) is None
+    assert (book.lease(own.lease_id).end, book.site_stats()["t"].steals) == (10, 0)
+    book = book_with("t", "v", n_blocks=20)
+    own = book.grant("t", 12, 0.0, TTL, 1)  # rest 11: the largest, but the thief's own
+    victim = book.grant("v", 8, 0.0, TTL, 1)  # rest 7
+    stolen = book.steal("t", 1.0, TTL, 2)
+    assert (stolen.start, stolen.end, stolen.round_no) == (16, 20, 2)
+    assert book.lease(own.lease_id).end == 12 and book.lease(victim.lease_id).end == 16
+    with pytest.raises(LeaseError) as e:  # a steal obeys the same rule as a grant
+        book.steal("v", 1.0, TTL, 1)
+    assert code_of(e) == "already_holding"
+    for site in ("t", "v"):
+        s = book.site_stats()[site]
+        assert s.blocks_granted == s.blocks_committed + s.blocks_lost + held_sum(book, site)
+
+
+def test_expiry_of_one_of_two_leases_returns_only_its_blocks():
+    book = book_with("a", n_blocks=20)
+    short = book.grant("a", 6, 0.0, 5.0, 1)
+    long = book.grant("a", 4, 0.0, 50.0, 2)
+    dead = book.expire(6.0)
+    assert [d.lease_id for d in dead] == [short.lease_id]
+    assert book.pool_spans() == [(0, 6), (10, 20)]
+    assert [v.lease_id for v in book.active_leases()] == [long.lease_id]
+    assert book.heartbeat(long.lease_id, "a", 2, 7.0).end == 10
+    stats = book.site_stats()["a"]
+    assert (stats.blocks_lost, stats.ttl_expiries) == (6, 1)
+    assert stats.blocks_granted == stats.blocks_committed + stats.blocks_lost + held_sum(book, "a")
+    # a release of the other returns its blocks alone as well
+    assert book.release(long.lease_id, "a", 8.0) == 4
+    assert book.pool_spans() == [(0, 20)] and book.snapshot()["by_site"] == {}
+
+
 # ---- heartbeat -----------------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 """DARL ledger: event log and replay, commit audit, Table 3, and a stateful model check."""
 
+import json
 import math
 import sqlite3
 
@@ -63,6 +64,40 @@ def test_replay_rebuilds_the_same_book(tmp_path):
     fresh = LeaseBook(50)
     assert LedgerStore(conn).replay(fresh) == 9
     assert fresh.snapshot() == book.snapshot()
+
+
+def test_replay_of_two_leases_per_site_rebuilds_the_same_book(tmp_path):
+    """Overlapped rounds: a site's early lease of round 1 beside its lease of round 0,
+    through steal, expiry and commit, replays (from scratch and from a checkpoint taken
+    while both were live) to the same book, and the snapshot stays plain JSON."""
+    path = tmp_path / "ledger.sqlite"
+    conn = sqlite3.connect(path)
+    ledger, book = LedgerStore(conn), LeaseBook(20)
+    run(book, ledger, "register", site="a", now=0.0)
+    run(book, ledger, "register", site="b", now=0.0)
+    a0 = run(book, ledger, "grant", site="a", n_blocks=8, now=1.0, ttl_s=TTL, round_no=0)
+    b0 = run(book, ledger, "grant", site="b", n_blocks=8, now=1.0, ttl_s=TTL, round_no=0)
+    a1 = run(book, ledger, "grant", site="a", n_blocks=4, now=2.0, ttl_s=3.0, round_no=1)
+    assert (a0.round_no, a1.round_no) == (0, 1) and a1.start == 16
+    assert book.snapshot()["by_site"] == {"a": [a0.lease_id, a1.lease_id], "b": [b0.lease_id]}
+    ledger.checkpoint(book)
+    b1 = run(book, ledger, "steal", site="b", now=2.5, ttl_s=TTL, round_no=1)
+    assert b1.start >= a0.start and b1.end == a0.end  # from a's round-0 lease, the largest
+    run(book, ledger, "expire", now=5.0)  # a's early lease (TTL 3) dies, its round-0 one lives
+    run(book, ledger, "commit", lease_id=a0.lease_id, site="a", consumed=2, now=6.0)
+    a2 = run(book, ledger, "grant", site="a", n_blocks=4, now=6.0, ttl_s=TTL, round_no=1)
+    conn.commit()
+    assert book.snapshot()["by_site"] == {"a": [a2.lease_id], "b": [b0.lease_id, b1.lease_id]}
+    for from_checkpoint in (True, False):
+        if not from_checkpoint:
+            conn.execute(f"DELETE FROM {CHECKPOINT_TABLE}")
+            conn.commit()
+        fresh = LeaseBook(20)
+        assert LedgerStore(sqlite3.connect(path)).replay(fresh) == (4 if from_checkpoint else 9)
+        assert fresh.snapshot() == book.snapshot()
+        assert json.dumps(fresh.snapshot(), sort_keys=True) == json.dumps(
+            book.snapshot(), sort_keys=True
+        )
 
 
 def _nine_events(ledger: LedgerStore, book: LeaseBook, checkpoint_after: int) -> None:
@@ -249,7 +284,11 @@ def test_table3_identities():
 
 
 class LeaseModel(RuleBasedStateMachine):
-    """LeaseBook against a set-based reference model, with crashes, steals and restarts."""
+    """LeaseBook against a set-based reference model, with crashes, steals and restarts.
+
+    Sites hold up to two leases, one per round (overlapped rounds): a live lease of round r
+    and an early one of round r + 1 while the coordinator's round moves on (`next_round`).
+    """
 
     @initialize(n_blocks=st.integers(1, 30), seed=st.integers(0, 2**64 - 1))
     def setup(self, n_blocks, seed):
@@ -267,6 +306,7 @@ class LeaseModel(RuleBasedStateMachine):
         self.crashed: set[str] = set()
         self.stats: dict[str, dict[str, int]] = {}
         self.committed_total = 0
+        self.round = 0  # the coordinator's current round
 
     # ---- helpers
 
@@ -283,10 +323,14 @@ class LeaseModel(RuleBasedStateMachine):
         assert self.book.snapshot() == before
 
     def held(self, site):
-        for lease_id, lease in self.leases.items():
-            if lease["site"] == site:
-                return lease_id, lease
-        return None, None
+        """The site's active leases as (lease_id, lease), oldest round first."""
+        mine = [(i, v) for i, v in self.leases.items() if v["site"] == site]
+        return sorted(mine, key=lambda item: item[1]["round"])
+
+    def may_lease(self, site, round_no):
+        """The book's rule: at most two leases, the new one for a later round than any held."""
+        held = self.held(site)
+        return len(held) < 2 and all(v["round"] < round_no for _, v in held)
 
     def bump(self, site, **deltas):
         for key, d in deltas.items():
@@ -312,11 +356,11 @@ class LeaseModel(RuleBasedStateMachine):
         self.crashed.discard(site)
         self.bump(site, entries=1)
 
-    def grant_to(self, site, n, ttl):
-        if self.held(site)[0] is not None:
-            args = dict(site=site, n_blocks=n, now=self.now, ttl_s=ttl, round_no=0)
+    def grant_to(self, site, n, ttl, round_no):
+        args = dict(site=site, n_blocks=n, now=self.now, ttl_s=ttl, round_no=round_no)
+        if not self.may_lease(site, round_no):
             return self.refused("already_holding", "grant", **args)
-        lease = self.do("grant", site=site, n_blocks=n, now=self.now, ttl_s=ttl, round_no=0)
+        lease = self.do("grant", **args)
         if not self.pool:
             assert lease is None
             return
@@ -327,7 +371,13 @@ class LeaseModel(RuleBasedStateMachine):
         assert (lease.start, lease.end, lease.site) == (start, end, site)
         self.pool -= set(range(start, end))
         self.leases[lease.lease_id] = dict(
-            site=site, start=start, end=end, consumed=0, expires_at=self.now + ttl, ttl=ttl
+            site=site,
+            start=start,
+            end=end,
+            consumed=0,
+            expires_at=self.now + ttl,
+            ttl=ttl,
+            round=round_no,
         )
         self.bump(site, grants=1, granted=end - start)
 
@@ -349,20 +399,41 @@ class LeaseModel(RuleBasedStateMachine):
         self.last_commit[site] = (lease_id, consumed)
         self.bump(site, committed=consumed, lost=end - start - consumed)
 
-    @rule(data=st.data(), n=st.integers(1, 16), ttl=st.sampled_from([1.0, 3.0, 10.0]))
+    @rule(
+        data=st.data(),
+        n=st.integers(1, 16),
+        ttl=st.sampled_from([1.0, 3.0, 10.0]),
+        ahead=st.sampled_from([-1, 0, 1]),
+    )
     @precondition(lambda self: self.live_sites())
-    def grant(self, data, n, ttl):
-        self.grant_to(data.draw(st.sampled_from(self.live_sites())), n, ttl)
+    def grant(self, data, n, ttl, ahead):
+        """A lease of the current round, the next (an early lease) or the one before."""
+        site = data.draw(st.sampled_from(self.live_sites()))
+        self.grant_to(site, n, ttl, max(0, self.round + ahead))
+
+    @rule(data=st.data(), n=st.integers(1, 16), ttl=st.sampled_from([1.0, 3.0, 10.0]))
+    @precondition(lambda self: any(len(self.held(s)) == 1 for s in self.live_sites()))
+    def early_grant(self, data, n, ttl):
+        """A site that holds one lease takes its second, for the round after that lease's."""
+        site = data.draw(st.sampled_from([s for s in self.live_sites() if len(self.held(s)) == 1]))
+        self.grant_to(site, n, ttl, self.held(site)[0][1]["round"] + 1)
+
+    @rule()
+    def next_round(self):
+        self.round += 1
 
     @rule(n=st.integers(1, 8))
     def work_round(self, n):
-        """Every live site commits its lease in full if it holds one, else asks for one."""
+        """Every live site commits its oldest lease in full and takes one for the round after
+        its newest (an early lease while the other is live), or one of this round if idle."""
         for site in self.live_sites():
-            lease_id, _ = self.held(site)
-            if lease_id is None:
-                self.grant_to(site, n, 10.0)
-            else:
-                self.commit_lease(lease_id, full=True)
+            held = self.held(site)
+            if not held:
+                self.grant_to(site, n, 10.0, self.round)
+                continue
+            if len(held) == 1:
+                self.grant_to(site, n, 10.0, held[0][1]["round"] + 1)
+            self.commit_lease(held[0][0], full=True)
 
     @rule(data=st.data(), step=st.integers(0, 4), ttl=st.sampled_from([None, 2.0, 10.0]))
     @precondition(lambda self: any(v["site"] not in self.crashed for v in self.leases.values()))
@@ -405,12 +476,13 @@ class LeaseModel(RuleBasedStateMachine):
             self.pool |= set(range(lease["start"], lease["end"]))
             self.bump(lease["site"], lost=lease["end"] - lease["start"], expiries=1)
 
-    @rule(data=st.data(), ttl=st.sampled_from([3.0, 10.0]))
+    @rule(data=st.data(), ttl=st.sampled_from([3.0, 10.0]), ahead=st.sampled_from([0, 1]))
     @precondition(lambda self: self.live_sites())
-    def steal(self, data, ttl):
+    def steal(self, data, ttl, ahead):
         site = data.draw(st.sampled_from(self.live_sites()))
-        args = dict(site=site, now=self.now, ttl_s=ttl, round_no=1)
-        if self.held(site)[0] is not None:
+        round_no = self.round + ahead
+        args = dict(site=site, now=self.now, ttl_s=ttl, round_no=round_no)
+        if not self.may_lease(site, round_no):
             return self.refused("already_holding", "steal", **args)
         if self.pool:
             return self.refused("pool_not_empty", "steal", **args)
@@ -418,9 +490,11 @@ class LeaseModel(RuleBasedStateMachine):
         for lease_id in sorted(self.leases):
             lease = self.leases[lease_id]
             r = lease["end"] - lease["start"] - lease["consumed"] - 1
-            if lease["site"] != site and r > rest:
+            if lease["site"] != site and r > rest:  # never the thief's own other lease
                 best, rest = lease_id, r
+        own = {i: (v["start"], v["end"]) for i, v in self.held(site)}
         got = self.do("steal", **args)
+        assert {i: (self.book.lease(i).start, self.book.lease(i).end) for i in own} == own
         if best is None:
             assert got is None
             return
@@ -428,8 +502,15 @@ class LeaseModel(RuleBasedStateMachine):
         tail = rest - rest // 2
         assert (got.start, got.end) == (victim["end"] - tail, victim["end"])
         victim["end"] -= tail
+        assert victim["site"] != site
         self.leases[got.lease_id] = dict(
-            site=site, start=got.start, end=got.end, consumed=0, expires_at=self.now + ttl, ttl=ttl
+            site=site,
+            start=got.start,
+            end=got.end,
+            consumed=0,
+            expires_at=self.now + ttl,
+            ttl=ttl,
+            round=round_no,
         )
         self.bump(victim["site"], granted=-tail)
         self.bump(site, grants=1, granted=tail)
@@ -538,13 +619,28 @@ class LeaseModel(RuleBasedStateMachine):
                 want["consumed"],
                 want["expires_at"],
             )
+            assert lease.round_no == want["round"]
+
+    @invariant()
+    def two_leases_at_most_one_per_round(self):
+        by_site = self.book.snapshot()["by_site"]
+        for site in self.stats:
+            held = self.held(site)
+            rounds = [v["round"] for _, v in held]
+            assert len(held) <= 2 and rounds == sorted(set(rounds))
+            assert by_site.get(site, []) == [i for i, _ in held]
+        for round_no in {v["round"] for v in self.leases.values()} | {self.round}:
+            want = sorted(v["site"] for v in self.leases.values() if v["round"] == round_no)
+            assert sorted(self.book.active_sites(round_no)) == want
 
     @invariant()
     def accounting(self):
         stats = self.book.site_stats()
         assert sum(s.blocks_committed for s in stats.values()) == self.book.committed_total
         assert self.book.committed_total == self.committed_total
-        held = {v["site"]: v["end"] - v["start"] for v in self.leases.values()}
+        held: dict[str, int] = {}
+        for v in self.leases.values():  # summed over a site's (up to two) leases
+            held[v["site"]] = held.get(v["site"], 0) + v["end"] - v["start"]
         for site, want in self.stats.items():
             s = stats[site]
             assert (s.entries, s.grants, s.blocks_granted) == (
