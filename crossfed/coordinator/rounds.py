@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from crossfed.coordinator.runspec import RoundPolicy
+
+
+def next_global_step(global_step: int, delta_steps: Iterable[int], inner_steps: int) -> int:
+    """The global step the round after one starting at ``global_step`` starts at: that round's
+    longest inner phase among ``delta_steps`` (its deltas' step counts), ``inner_steps``
+    while it has none. Exact for a round being merged; for an open round a forecast."""
+    return global_step + max(delta_steps, default=inner_steps)
 
 
 def close_decision(

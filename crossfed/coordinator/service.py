@@ -37,7 +37,7 @@ from crossfed.coordinator.generations import (
     read_shapes,
     write_generation,
 )
-from crossfed.coordinator.rounds import close_decision
+from crossfed.coordinator.rounds import close_decision, next_global_step
 from crossfed.coordinator.runspec import (
     EXTENSIBLE,
     RunSpec,
@@ -56,6 +56,7 @@ log = logging.getLogger("crossfed.coordinator")
 BLOB_GRACE_S = 3600.0  # an uploaded blob no delta refers to is deleted after this long
 _MODEL_FILE = re.compile(r"^(master|global)-(\d{6,})\.safetensors$")
 MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
+ECHOES_PER_SITE = 4  # outstanding RTT nonces kept per site (a site may beat for two leases)
 PACE_LIVE_S = 3600.0  # sites seen within this long count towards the mean pace
 PACE_MAX_SCALE = 4.0  # a grant is at most this many times the requested phase
 #: set to 1, the merge holds the lock that leases and heartbeats wait on from start to commit
@@ -133,7 +134,7 @@ class Coordinator:
         self.shapes: dict[str, tuple[int, ...]] = {}  # the master's tensors, in file order
         self.generation = 0  # the committed generation whose files hold the state
         self._closing: int | None = None  # the round a merge is closing, outside the lock
-        self._echoes: dict[str, tuple[int, float]] = {}  # site -> (nonce, monotonic at reply)
+        self._echoes: dict[str, dict[int, float]] = {}  # site -> {nonce: monotonic at reply}
         self._rtt_ms: dict[str, float] = {}  # RTT the coordinator measured per site (smoothed)
         spec = store.get_meta(self.conn, "spec")
         if spec is not None:
@@ -501,9 +502,14 @@ class Coordinator:
         return max(policy.min_ttl_s, ttl)
 
     def _echo(self, site: str) -> int:
-        """A nonce for the reply; the site returns it with its next heartbeat."""
+        """A nonce for the reply; the site returns it with its next heartbeat. A site's last
+        ``ECHOES_PER_SITE`` nonces stay good, so heartbeats of its two leases (overlapped
+        rounds) do not spoil each other's measurement; each is good for one sample."""
         nonce = secrets.randbits(52)
-        self._echoes[site] = (nonce, self.monotonic())
+        sent = self._echoes.setdefault(site, {})
+        sent[nonce] = self.monotonic()
+        while len(sent) > ECHOES_PER_SITE:
+            del sent[next(iter(sent))]  # the oldest
         return nonce
 
     def _measure_rtt(self, site: str, echo: int | None, held_s: float | None) -> None:
@@ -512,10 +518,10 @@ class Coordinator:
         (between receiving that reply and sending this request). It covers the network both
         ways plus this server's own queueing, which is what a heartbeat must get through
         within a TTL. Smoothed like TCP's SRTT (weight 1/4 on the new sample)."""
-        sent = self._echoes.pop(site, None)
-        if sent is None or echo is None or held_s is None or sent[0] != echo:
+        sent_at = self._echoes.get(site, {}).pop(echo, None) if echo is not None else None
+        if sent_at is None or held_s is None:
             return
-        sample = (self.monotonic() - sent[1] - held_s) * 1000.0
+        sample = (self.monotonic() - sent_at - held_s) * 1000.0
         sample = min(max(sample, 0.0), MAX_RTT_MS)
         old = self._rtt_ms.get(site)
         self._rtt_ms[site] = sample if old is None else 0.75 * old + 0.25 * sample
@@ -543,9 +549,18 @@ class Coordinator:
 
         ``n_blocks`` is the site's inner phase; the grant is sized by its measured commit
         rate (``LeaseBook.grant_size``), so it may be larger or smaller.
+
+        ``round_no`` is the current round or, as an *early lease* (overlapped rounds), the
+        next one: the round after the open one, or after the one being merged. An early
+        lease only takes from the pool (never steals: with the pool dry the answer is
+        ``pool_empty`` and the site waits for its round to open), does not mark a first
+        lease on a round that does not exist yet (``_publish`` does when the round opens)
+        and does not keep the open round from closing. Every reply carries ``early`` and
+        the ``global_step`` the lease's round starts at (for an early lease a forecast
+        while the round before is open, see ``next_global_step``).
         """
         with self.lock:
-            self._check_site(site)
+            spec = self._check_site(site)
             assert self.book is not None
             current = self.current_round()
             if self._closing is not None and round_no == self._closing:
@@ -555,11 +570,13 @@ class Coordinator:
                     f"round {round_no} is closing (its merge is running); round "
                     f"{round_no + 1} opens when it is done",
                 )
-            if round_no != current["round_no"]:
+            early = round_no == current["round_no"] + 1
+            if round_no != current["round_no"] and not early:
                 raise CoordinatorError(
                     409,
                     "round_closed" if round_no < current["round_no"] else "round_not_open",
-                    f"round {round_no} is not open; the current round is {current['round_no']}",
+                    f"round {round_no} is not open; the current round is {current['round_no']} "
+                    f"(leases are for it or, early, for round {current['round_no'] + 1})",
                 )
             if n_blocks < 1:
                 raise CoordinatorError(422, "bad_size", f"n_blocks must be >= 1, got {n_blocks}")
@@ -580,16 +597,21 @@ class Coordinator:
                     lease = self._event(
                         "grant", {**args, "round_no": round_no, "requested": n_blocks}
                     )
-                    if lease is None:
+                    if lease is None and not early:  # an early lease never steals
                         lease = self._event(
                             "steal", {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
                         )
                     store.site_seen(self.conn, site, now, t_step_s=t_step_s, rtt_ms=rtt_ms)
-                    if lease is not None:
+                    if lease is not None and not early:
                         store.mark_first_lease(self.conn, round_no, now)
+            step = current["global_step"]
+            if early:
+                deltas = store.round_deltas(self.conn, current["round_no"])
+                step = next_global_step(step, [d["steps"] for d in deltas], spec.inner_steps)
+            reply = {"generation": current["generation"], "early": early, "global_step": step}
             if lease is None:
-                return {"lease": None, "reason": "pool_empty", "generation": current["generation"]}
-            return {"lease": self._lease_view(lease), "generation": current["generation"]}
+                return {"lease": None, "reason": "pool_empty", **reply}
+            return {"lease": self._lease_view(lease), **reply}
 
     def heartbeat(
         self,
@@ -765,7 +787,9 @@ class Coordinator:
     ) -> Lease | dict[str, Any]:
         """The lease behind a delta, checked (owner, round, generation, progress, claim), or
         the answer to a resend of an accepted delta. Refusals change nothing, except that a
-        stale delta's lease is released (its blocks return to the pool). Holds the lock."""
+        stale delta's lease is released (its blocks return to the pool). A delta for a round
+        other than its lease's (``wrong_round``) or for a round not open yet, an early
+        lease's (``round_not_open``), leaves the lease as it was. Holds the lock."""
         self._check_site(site)
         assert self.book is not None
         previous = store.delta_of_lease(self.conn, lease_id)
@@ -782,7 +806,23 @@ class Coordinator:
             lease = self.book.lease(lease_id)
         if lease.site != site:
             raise CoordinatorError(403, "not_owner", f"lease {lease_id} belongs to another site")
+        if lease.round_no != round_no:  # e.g. an early lease's delta sent for the open round
+            raise CoordinatorError(
+                409,
+                "wrong_round",
+                f"lease {lease_id} is a lease of round {lease.round_no}, not of round "
+                f"{round_no}: refused, the lease is left as it was",
+            )
         current = self.current_round()
+        if round_no > current["round_no"]:  # an early lease's round, not open yet
+            state = "open" if self._closing is None else "closing"
+            raise CoordinatorError(
+                409,
+                "round_not_open",
+                f"delta for round {round_no}, which has not opened yet (round "
+                f"{current['round_no']} is {state}): refused; lease {lease_id} stays yours, "
+                f"submit again once round {round_no} opens",
+            )
         if self._closing is not None and round_no == self._closing:
             self._release_quietly(lease_id, site)
             raise CoordinatorError(
@@ -945,7 +985,10 @@ class Coordinator:
     ) -> dict[str, Any]:
         """Commit generation g+1 (its files are in place) and open the next round."""
         generation = current["generation"] + 1
-        global_step = current["global_step"] + max(d["steps"] for d in deltas)
+        assert self.spec is not None and self.book is not None
+        steps = [d["steps"] for d in deltas]
+        global_step = next_global_step(current["global_step"], steps, self.spec.inner_steps)
+        following = current["round_no"] + 1
         now = self.clock()
         summary = {
             "round": current["round_no"],
@@ -965,7 +1008,9 @@ class Coordinator:
             store.set_meta(self.conn, f"global_digest:{generation}", digest)
             store.set_meta(self.conn, "generation", generation)
             store.set_meta(self.conn, "global_step", global_step)
-            store.open_round(self.conn, current["round_no"] + 1, generation, now, global_step)
+            store.open_round(self.conn, following, generation, now, global_step)
+            if self.book.active_sites(following):  # early leases: as if taken at the opening
+                store.mark_first_lease(self.conn, following, now)
         self.generation = generation
         crash_point("after_close_commit")
         self._retain(generation, current["round_no"])

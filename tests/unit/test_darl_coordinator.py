@@ -45,7 +45,7 @@ def lease(live: LiveCoordinator, site: str, n: int, round_no: int = 1, t_step: f
     return live.client(site).lease(site, round_no, n, t_step, 1.0)["lease"]
 
 
-def commit(live, site, held, path, consumed=None, round_no=1, generation=0, **kw) -> dict:
+def commit(live, site, held, path, consumed=None, round_no=1, generation=0, steps=4, **kw) -> dict:
     return live.client(site, **kw).submit_delta(
         round_no,
         path,
@@ -54,7 +54,7 @@ def commit(live, site, held, path, consumed=None, round_no=1, generation=0, **kw
         lease_id=held["lease_id"],
         generation=generation,
         tokens=1000,
-        steps=4,
+        steps=steps,
         consumed=held["n_blocks"] if consumed is None else consumed,
     )
 
@@ -233,6 +233,115 @@ def test_forged_and_replayed_commits_are_refused_and_change_nothing(
     assert audit(darl) == after[0] and deltas(darl) == after[1]
     assert theirs["lease_id"] not in active(darl)
     assert ledger(darl)["snellius"]["blocks_lost"] == 3
+
+
+# ------------------------------------------------------------------ early leases
+def early(live: LiveCoordinator, site: str, n: int, round_no: int = 2, t_step: float = 4.0):
+    """An early lease (overlapped rounds): the whole reply, not only its lease."""
+    return live.client(site).lease(site, round_no, n, t_step, 1.0)
+
+
+def test_an_early_lease_of_the_next_round_trains_beside_the_open_one_and_commits_in_it(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    g0 = global_model(darl, 0, tmp_path)
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    now_reply = darl.client("snellius").lease("snellius", 1, 4, 4.0, 1.0)
+    assert (now_reply["early"], now_reply["global_step"]) == (False, 0)
+    mine = now_reply["lease"]
+    # lumi's delta of round 1 (3 inner steps, of 4) is in before snellius leases early
+    other = lease(darl, "lumi", 2)
+    assert commit(darl, "lumi", other, delta_file(tmp_path, g0, seed=2, name="b"), steps=3)
+    reply = early(darl, "snellius", 3)
+    ahead = reply["lease"]
+    assert (reply["early"], reply["generation"], ahead["round"]) == (True, 0, 2)
+    assert reply["global_step"] == 3  # round 1's longest phase so far: where round 2 starts
+    assert ahead["blocks"] == space_of(tiny_data).permutation(0)[6:9].tolist()
+    # never two rounds ahead, never a second lease of one round, never a third
+    for round_no, code in ((3, "round_not_open"), (2, "already_holding")):
+        with pytest.raises(Refused) as refused:
+            early(darl, "snellius", 1, round_no=round_no)
+        assert refused.value.status == 409 and refused.value.code == code
+    assert set(active(darl)) == {mine["lease_id"], ahead["lease_id"]}  # both listed
+    assert {x["lease_id"] for x in darl.client("snellius").status()["active_leases"]} == set(
+        active(darl)
+    )
+    # both leases heartbeat, each its own; one's beat does not spoil the other's RTT echo
+    site = darl.client("snellius")
+    before = active(darl)
+    beat_now = site.heartbeat(mine["lease_id"], "snellius", 1, 4.0)
+    beat_ahead = site.heartbeat(ahead["lease_id"], "snellius", 1, 4.0)
+    assert beat_now["lease"]["round"] == 1 and beat_ahead["lease"]["round"] == 2
+    again = site.heartbeat(mine["lease_id"], "snellius", 1, 4.0, beat_now["echo"], 0.0)
+    assert again["rtt_ms"] is not None  # its echo still good after the other lease's beat
+    ahead_again = site.heartbeat(ahead["lease_id"], "snellius", 1, 4.0, beat_ahead["echo"], 0.0)
+    assert ahead_again["rtt_ms"] is not None
+    after = active(darl)
+    for lease_id in before:
+        assert after[lease_id]["expires_at"] > before[lease_id]["expires_at"]
+        assert after[lease_id]["consumed"] == 1
+    # its round is not open: the delta is refused and the lease stays live; sent for the
+    # open round instead, it is refused as well (the lease is of round 2)
+    early_delta = delta_file(tmp_path, g0, seed=3, name="early")
+    for round_no, code in ((2, "round_not_open"), (1, "wrong_round")):
+        with pytest.raises(Refused) as refused:
+            commit(darl, "snellius", ahead, early_delta, round_no=round_no)
+        assert refused.value.status == 409 and refused.value.code == code
+        assert "round 2" in refused.value.detail
+    assert ahead["lease_id"] in active(darl) and len(audit(darl)) == 2
+    # round 1 closes once its own leases are in: the early lease of round 2 does not hold it
+    done = commit(darl, "snellius", mine, delta_file(tmp_path, g0, seed=1, name="a"), steps=3)
+    assert done["accepted"]
+    closed = wait_round_closed(darl, 1)
+    assert closed["report"]["reason"] == "all_in"
+    opened = darl.client().round_info(2)
+    assert opened["first_lease_at"] == opened["opened_at"]  # as if leased at the opening
+    status = darl.client().status()
+    assert (status["round"], status["generation"]) == (2, 1)
+    assert status["global_step"] == reply["global_step"]  # the forecast held: no longer phase
+    # now current, round 2 takes the early lease's delta (against generation 1) and commits it
+    done = commit(darl, "snellius", ahead, early_delta, round_no=2, generation=1)
+    assert (done["accepted"], done["round"], done["committed"]) == (True, 2, 3)
+    owner = {block: (site, lease_id) for _, block, site, lease_id in audit(darl)}
+    assert all(owner[b] == ("snellius", ahead["lease_id"]) for b in ahead["blocks"])
+    assert ahead["lease_id"] not in active(darl)
+
+
+def test_an_early_lease_never_steals(darl: LiveCoordinator, tiny_data: Path) -> None:
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    big = lease(darl, "snellius", 14)  # the whole pool
+    reply = early(darl, "lumi", 4)
+    assert reply["lease"] is None and reply["reason"] == "pool_empty" and reply["early"] is True
+    assert list(active(darl)) == [big["lease_id"]]
+    assert active(darl)[big["lease_id"]]["n_blocks"] == 14  # untouched
+    # a lease of the open round, with the pool as dry, does steal
+    stolen = lease(darl, "lumi", 4)
+    assert stolen is not None and stolen["round"] == 1
+    assert active(darl)[big["lease_id"]]["n_blocks"] < 14
+
+
+def test_an_early_lease_whose_ttl_lapses_returns_only_its_blocks(
+    darl: LiveCoordinator, tiny_data: Path
+) -> None:
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    mine = lease(darl, "snellius", 2, t_step=4.0)  # TTL 10 s, kept alive below
+    ahead = early(darl, "snellius", 3, t_step=0.4)["lease"]  # TTL 2 s, never heartbeaten
+    assert ahead["ttl_s"] == pytest.approx(2.0)
+    site = darl.client("snellius")
+    deadline = time.monotonic() + 30
+    while ledger(darl)["snellius"]["ttl_expiries"] == 0:
+        assert time.monotonic() < deadline, "the early lease never expired"
+        site.heartbeat(mine["lease_id"], "snellius", 1, 4.0)
+        time.sleep(0.3)
+    assert list(active(darl)) == [mine["lease_id"]]
+    row = ledger(darl)["snellius"]
+    assert (row["blocks_granted"], row["blocks_lost"], row["ttl_expiries"]) == (5, 3, 1)
+    # its blocks are back in the pool: the next grant of round 1 gets exactly them
+    regained = lease(darl, "lumi", 3)
+    assert regained["blocks"] == ahead["blocks"]
 
 
 # ------------------------------------------------------------------ a SIGKILLed coordinator
