@@ -349,8 +349,9 @@ def test_leases_and_heartbeats_are_answered_while_a_merge_runs(
     tmp_path: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The merge holds the lock only to start and to commit: held mid-write here, a
-    heartbeat is answered, the closing round refuses a lease and a delta, and the merge then
-    commits generation 1."""
+    heartbeat is answered, the closing round refuses a lease and a delta, the round after it
+    grants an early lease (to a site that contributed to the closing one), and the merge then
+    commits generation 1 and opens round 2 with that lease as its first."""
     staged = staged_delta(tmp_path / "state", tiny_data, seed=3)
     coord, now, held = staged.coord, staged.now, staged.held
     coord.submit(
@@ -387,9 +388,17 @@ def test_leases_and_heartbeats_are_answered_while_a_merge_runs(
                 tokens=10, steps=1, consumed=1, blob=staged.key, by=None,
             )  # fmt: skip
         assert stale.value.code == "stale_generation"
+        ahead = coord.lease("lumi", 2, 2, None, 1.0)  # overlapped rounds: the next round's
+        assert ahead["early"] is True and ahead["lease"]["round"] == 2
+        assert ahead["global_step"] == 4  # exact: the merged round's longest phase
         assert coord.status()["generation"] == 0
     finally:
         go_on.set()
         merger.join(120)
     assert result["generation"] == 1 and result["contributors"] == ["lumi"]
     assert coord.status()["generation"] == 1 and coord.status()["round"] == 2
+    assert coord.status()["global_step"] == ahead["global_step"]
+    opened = coord.round_info(2)
+    assert opened["first_lease_at"] == opened["opened_at"]
+    live = {x["lease_id"]: x["round"] for x in coord.status()["active_leases"]}
+    assert live == {ahead["lease"]["lease_id"]: 2}
