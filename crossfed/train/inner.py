@@ -401,6 +401,7 @@ def run_inner_phase(
     on_step: Callable[[StepInfo], None] | None = None,
     checkpoint: Callable[[PhaseState], None] | None = None,
     checkpoint_every: int = 0,
+    before_step: Callable[[PhaseState], None] | None = None,
 ) -> PhaseState:
     """Train the lease from ``state.windows`` (the cursor) to its end, one step per W*A*B.
 
@@ -409,7 +410,8 @@ def run_inner_phase(
     continue the schedule. ``window_limit()`` is asked before each step (on every rank): a
     steal shrinks the lease and the phase stops exactly at the new limit, never past it.
     ``checkpoint(state)`` runs every ``checkpoint_every`` steps (0: never); its time is kept
-    apart from compute.
+    apart from compute. ``before_step(state)`` runs before each step (on every rank), outside
+    the step's time: an overlapped round folds the merged model in there.
 
     Step time runs from one step's return to the next, so waiting for the device (a settle, a
     logged loss) counts as compute wherever it happens, and the host never waits for a step
@@ -422,6 +424,10 @@ def run_inner_phase(
     windows, losses = _LeaseReader(read, lease), _LossQueue(state)
     mark = time.perf_counter()
     for planned in plan_steps(total, config, start=state.windows):
+        if before_step is not None:  # its time is kept out of the next step's
+            hook = time.perf_counter()
+            before_step(state)
+            mark += time.perf_counter() - hook
         plan = _limited(planned, window_limit() if window_limit else total, state, config)
         if plan is None:
             break
