@@ -193,6 +193,7 @@ def site_settings(
     from crossfed.site.records import SiteSettings
     from crossfed.train.distributed import ParallelConfig
     from crossfed.train.inner import InnerConfig
+    from crossfed.train.overlap import OverlapConfig
 
     inner = config["inner"]
     return SiteSettings(
@@ -222,6 +223,7 @@ def site_settings(
         ),
         checkpoint_every=inner["checkpoint_every"],
         rounds=config["rounds"],
+        overlap=OverlapConfig(**config["overlap"]),
         lease_wait_s=config["darl"]["initial_ttl_s"]
         + config["round_policy"]["join_window_s"]
         + 30.0,

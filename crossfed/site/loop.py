@@ -26,6 +26,8 @@ from crossfed.progress import site_prefix
 
 #: statuses of run_round after which the site's part of that round is over
 _TRAINED = "accepted"
+#: run_round's status when the delta's send goes on in the background (overlapped rounds)
+_SENDING = "sending"
 
 
 class ChainError(ValueError):
@@ -68,9 +70,20 @@ def fits(now: float, deadline: float | None, estimate_s: float | None, margin_s:
 
 
 class RoundRunner(Protocol):
-    """What the chain needs of a site runner (crossfed.site.SiteRunner)."""
+    """What the chain needs of a site runner (crossfed.site.SiteRunner).
+
+    With overlapped rounds (``overlapped``) ``run_round`` returns while the delta is still
+    being sent (status "sending"); ``settled()`` hands over the outcomes of such rounds once
+    their sends are answered, and ``finish()`` waits for the last one.
+    """
+
+    overlapped: bool
 
     def run_round(self, round_no: int, accumulation: int | None = None) -> Any: ...
+
+    def settled(self) -> list[Any]: ...
+
+    def finish(self) -> list[Any]: ...
 
 
 class StatusSource(Protocol):
@@ -106,6 +119,8 @@ class ChainRecord:
     status: str
     round_s: float
     detail: str = ""
+    compute_s: float = 0.0
+    merge_wait_s: float = 0.0
 
 
 @dataclass
@@ -129,6 +144,11 @@ class ChainOutcome:
         return sum(1 for r in self.rounds if r.status == _TRAINED)
 
     @property
+    def compute_s(self) -> float:
+        """Seconds of inner steps whose delta was accepted (goodput's numerator)."""
+        return sum(r.compute_s for r in self.rounds if r.status == _TRAINED)
+
+    @property
     def progressed(self) -> bool:
         """Trained a round, or saw the run move on while it held the allocation."""
         moved = (self.next_round or 0) > (self.first_round or 0)
@@ -143,6 +163,7 @@ class ChainOutcome:
         return {
             **asdict(self),
             "trained": self.trained,
+            "compute_s": self.compute_s,
             "progressed": self.progressed,
             "next_job": self.next_job,
         }
@@ -166,12 +187,16 @@ def next_action(
     out: ChainOutcome,
     durations: Sequence[float],
     now: float,
+    overlap: bool = False,
 ) -> tuple[str, int]:
     """What a chain does next at the coordinator's round ``current``.
 
     ``("stop", current)`` when the run is complete or the round would not fit (``out`` then
     says why), ``("wait", current)`` while this site's part of the round is in, else
-    ``("train", current)``. Pure: the caller polls the coordinator and keeps the clock.
+    ``("train", current)``. With ``overlap`` a site whose part of the open round is in (or
+    being sent) trains the next round at once, ``("train", current + 1)``, but never one
+    further: it is at most one round ahead. Pure: the caller polls the coordinator and
+    keeps the clock.
     """
     if out.first_round is None:
         out.first_round = current
@@ -196,6 +221,9 @@ def next_action(
             )
         return "stop", current
     if current in done:  # our part is in; wait for the others and the merge
+        ahead = current + 1
+        if overlap and ahead <= settings.through_round and ahead not in done:
+            return "train", ahead
         return "wait", current
     return "train", current
 
@@ -227,11 +255,34 @@ def run_chain(
     durations = list(settings.history_s)
     done: set[int] = set()
     delay = settings.poll_s
+    overlap = bool(getattr(runner, "overlapped", False))
+    sending: dict[int, float] = {}  # rounds whose send runs in the background: their seconds
+
+    def report(outcome: Any, seconds: float) -> None:
+        out.rounds.append(
+            ChainRecord(
+                outcome.round,
+                str(outcome.status),
+                seconds,
+                str(getattr(outcome, "detail", "")),
+                float(getattr(outcome, "compute_s", 0.0) or 0.0),
+                float(getattr(outcome, "merge_wait_s", 0.0) or 0.0),
+            )  # fmt: skip
+        )
+        if on_round is not None:
+            on_round(outcome, seconds)
+
+    def settle(outcomes: list[Any]) -> None:
+        for outcome in outcomes:
+            report(outcome, sending.pop(outcome.round, 0.0))
+
     while True:
+        if overlap:
+            settle(runner.settled())
         decision = None
         if client is not None:
             current = int(client.status()["round"])
-            decision = next_action(current, done, settings, out, durations, clock())
+            decision = next_action(current, done, settings, out, durations, clock(), overlap)
         action, current = share(decision)
         if action == "stop":
             break
@@ -247,14 +298,15 @@ def run_chain(
         outcome = runner.run_round(current, accumulation)
         seconds = clock() - started
         status = str(getattr(outcome, "status", "unknown"))
-        out.rounds.append(
-            ChainRecord(current, status, seconds, str(getattr(outcome, "detail", "")))
-        )
-        if status == _TRAINED:
+        if status in (_TRAINED, _SENDING):
             durations.append(seconds)
-        if on_round is not None:
-            on_round(outcome, seconds)
+        if status == _SENDING:
+            sending[current] = seconds
+        else:
+            report(outcome, seconds)
         done.add(current)
+    if overlap:
+        settle(runner.finish())
     out.ended_at = clock()
     return out
 

@@ -17,6 +17,7 @@ from typing import Any
 from crossfed.fileio import INLINE_MAX_BYTES
 from crossfed.train.distributed import ParallelConfig
 from crossfed.train.inner import InnerConfig, PhaseState
+from crossfed.train.overlap import OverlapConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class SiteSettings:
     #: epoch seconds after which no step may end (a chain job's walltime less its margin):
     #: the phase stops at the end of the block in progress and sends the blocks trained
     stop_training_at: float | None = None
+    #: overlapped rounds: train the next lease while this one's delta is merged
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ class RoundStart:
     download_s: float
     rtt_ms: float
     accumulation: int
+    #: an early lease (overlapped rounds): the phase starts from the site's own weights and
+    #: folds the merged model in when it arrives; generation and model_path are set then
+    early: bool = False
 
     @property
     def lease_id(self) -> int:
@@ -174,6 +180,13 @@ class RoundOutcome:
     launcher: str = ""
     transport: str = ""
     rtt_ms: float = 0.0
+    #: overlapped rounds: the phase's step at which the merged model was folded in (None: it
+    #: started from the merged model), the end-of-phase wait for it (idle), and the transfers
+    #: that ran beside training (hidden) or held it up (exposed)
+    fold_step: int | None = None
+    merge_wait_s: float = 0.0
+    comms_hidden_s: float = 0.0
+    comms_exposed_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -49,6 +49,7 @@ from crossfed.darl.leases import lease_blocks
 from crossfed.fileio import write_atomic
 from crossfed.progress import CONSOLE, site_prefix, step_line
 from crossfed.site.control import Control, FollowerBeat, Heartbeat, RoundClosed
+from crossfed.site.inflight import InFlight
 from crossfed.site.lock import hold_site_folder
 from crossfed.site.records import (
     Cursor,
@@ -81,6 +82,7 @@ from crossfed.train.inner import (
     run_inner_phase,
 )
 from crossfed.train.model import build_model, flops_per_token
+from crossfed.train.overlap import fold_in
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
 from crossfed.wire.codecs import save_delta
@@ -129,6 +131,18 @@ class SiteRunner:
         self.optimizer: torch.optim.Optimizer | None = None
         self.flops_per_token: float | None = None
         self._restored = False
+        # overlapped rounds: the round in flight (rank 0), the weights its delta was made
+        # from (every rank), the outcomes its sends came to, the last phase's start
+        self._inflight: InFlight | None = None
+        self._sent: dict[str, torch.Tensor] | None = None
+        self._settled: list[RoundOutcome] = []
+        self._last_start: RoundStart | None = None
+        self._inner_steps = 0
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether rounds overlap: run_round returns once the delta's send has started."""
+        return self.s.overlap.enabled
 
     @property
     def pending_path(self) -> Path:
@@ -143,13 +157,74 @@ class SiteRunner:
         """
         if accumulation and self.ranks.main:
             self._use_accumulation(int(accumulation))
-        start = self._prepare(round_no) if self.ranks.main else None
+        start = self._prepare_round(round_no) if self.ranks.main else None
         start = broadcast_object(start, self.ranks)
         if isinstance(start, RoundOutcome):
             return start
         assert isinstance(start, RoundStart)
         self._use_accumulation(start.accumulation)
+        self._last_start = start
         return self._run_phase(round_no, start)
+
+    def settled(self) -> list[RoundOutcome]:
+        """Outcomes of rounds whose delta was sent in the background since the last call."""
+        out, self._settled = self._settled, []
+        return out
+
+    def finish(self) -> list[RoundOutcome]:
+        """The job ends: wait for the send in flight (not for its merge); every outcome left."""
+        if self._inflight is not None:
+            self._inflight.stop()
+            self._settled.append(self._inflight.wait_sent())
+            self._inflight = None
+        return self.settled()
+
+    def _settle_inflight(self) -> InFlight | None:
+        """Rank 0: wait for the round in flight to be merged and its model to arrive."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return None
+        inflight.wait_arrived()
+        self._settled.append(inflight.wait_sent())
+        return inflight
+
+    def _prepare_round(self, round_no: int) -> RoundOutcome | RoundStart:
+        """Rank 0: an early lease while the previous round is in flight, else the round's
+        ordinary start (once the previous round's merged model is here)."""
+        inflight = self._inflight
+        if inflight is not None and not inflight.arrived.is_set():
+            early = self._prepare_early(round_no, inflight)
+            if early is not None:
+                return early
+        self._settle_inflight()
+        return self._prepare(round_no)
+
+    def _prepare_early(self, round_no: int, inflight: InFlight) -> RoundStart | None:
+        """Rank 0: lease the next round while the previous one is merged (None: no lease
+        now, so the phase waits for the merge). The phase trains from the site's own weights;
+        its generation, reference model and global step are known once the merge arrives."""
+        prev = self._last_start
+        assert self.control is not None
+        if prev is None or round_no != inflight.round + 1 or self._sent is None:
+            return None
+        inner = self.s.inner
+        want = lease_blocks(
+            self._inner_steps, inner.micro_batch, inner.ranks, inner.accumulation,
+            self.s.block_size,
+        )  # fmt: skip
+        lease = self.control.lease(round_no, want, prev.rtt_ms, early=True)
+        if lease is None:
+            return None
+        log.info(
+            "%s early lease %d: %d blocks (asked %d) while round %d is merged",
+            site_prefix(self.s.site, round_no), lease["lease_id"], lease["n_blocks"], want,
+            inflight.round,
+        )  # fmt: skip
+        return replace(
+            prev, generation=-1, global_step=prev.global_step + self._inner_steps, lease=lease,
+            model_path="", cursor=None, download_s=0.0, accumulation=inner.accumulation,
+            early=True,
+        )  # fmt: skip
 
     def _use_accumulation(self, accumulation: int) -> None:
         if accumulation != self.s.inner.accumulation:
@@ -167,6 +242,7 @@ class SiteRunner:
             detail = f"round {round_no} closed; coordinator is at round {joined['round']}"
             return RoundOutcome(self.s.site, round_no, "missed", rtt_ms=rtt, detail=detail)
         generation = joined["generation"]
+        self._inner_steps = int(joined["inner_steps"])
         t0 = time.perf_counter()
         model_path = control.download(generation)
         download_s = time.perf_counter() - t0
@@ -286,7 +362,7 @@ class SiteRunner:
         """Train the lease, then checkpoint and send (rank 0) what was trained."""
         self._ensure_model(start.flavour, start.vocab_size)
         assert self.model is not None
-        if start.cursor is None:
+        if start.cursor is None and not start.early:
             load_full_parameters(self.model, load_file(start.model_path))
         self._restore(start.cursor)
         state = start.cursor.phase if start.cursor else PhaseState()
@@ -295,9 +371,14 @@ class SiteRunner:
             self.control.heartbeat(start.lease) if self.control else FollowerBeat(start.lease)
         )
         beat.consumed = max(beat.consumed, start.lease.get("consumed", 0))
-        with beat:  # the heartbeat runs until the delta is in: a commit needs a live lease
-            state = self._train(round_no, start, state, beat)
+        fold = _Fold(self, start)
+        handed_over = False  # the heartbeat runs until the delta is in: a commit needs a live
+        beat.__enter__()  # lease; with overlap the send (and its beat) go on in the background
+        try:
+            state = self._train(round_no, fold, state, beat)
+            start = fold.finish(state)
             outcome = self._outcome(round_no, start, state)
+            fold.account(outcome)
             if resumed_at:
                 outcome.extra["resumed_at_window"] = resumed_at
             lost = broadcast_object(beat.lost, self.ranks)
@@ -318,7 +399,17 @@ class SiteRunner:
             pending = self._checkpoint(round_no, start, state, outcome)
             if pending is None:  # not rank 0
                 return outcome
-            return self._send(pending, outcome)
+            if self.overlapped and isinstance(beat, Heartbeat):
+                assert self.control is not None
+                self._inflight = InFlight(self.control, pending, outcome, beat, self.state_dir)
+                handed_over = True
+                return replace(outcome, status="sending")
+            outcome = self._send(pending, outcome)
+            outcome.comms_exposed_s = outcome.download_s + outcome.upload_s
+            return outcome
+        finally:
+            if not handed_over:
+                beat.__exit__(None, None, None)
 
     def _outcome(self, round_no: int, start: RoundStart, state: PhaseState) -> RoundOutcome:
         """The round's outcome as trained (accepted until the send says otherwise)."""
@@ -383,6 +474,7 @@ class SiteRunner:
                 residual=str(residual_path) if residual_path else None,
             )  # fmt: skip
             self._write_pending(pending)
+        self._sent = params if self.overlapped else None  # what the next phase folds from
         del params
         outcome.checkpoint_s = state.checkpoint_s + time.perf_counter() - t1
         return pending
@@ -409,10 +501,12 @@ class SiteRunner:
             covered += 1
         return covered
 
-    def _train(self, round_no: int, start: RoundStart, state: PhaseState, beat: Beat) -> PhaseState:
+    def _train(self, round_no: int, fold: _Fold, state: PhaseState, beat: Beat) -> PhaseState:
         """The inner phase on the lease's windows: each step's window limit follows the lease
-        (steals shrink it) and the walltime; progress lines and mid-phase checkpoints."""
+        (steals shrink it) and the walltime; progress lines and mid-phase checkpoints; the
+        merged model folded in between steps when it arrives (an early lease)."""
         assert self.model is not None and self.optimizer is not None
+        start = fold.start
         windows = LeaseWindows.of(self._ranges(start.lease["blocks"]))
         sizes = [stop - begin for begin, stop in windows.ranges]
         trainer = Trainer(
@@ -437,10 +531,11 @@ class SiteRunner:
             progress.step(info, beat)
 
         state = run_inner_phase(
-            trainer, self.store.windows, windows, schedule=LRSchedule(**start.schedule),
+            trainer, self.store.windows, windows, schedule=fold.schedule,
             global_step=start.global_step, state=state, window_limit=limit, on_step=on_step,
-            checkpoint=lambda s: self._save(self._cursor(round_no, start, s, "training")),
+            checkpoint=lambda s: self._save(self._cursor(round_no, fold.start, s, "training")),
             checkpoint_every=self.s.checkpoint_every,
+            before_step=fold.between_steps if start.early else None,
         )  # fmt: skip
         if self.ranks.main:
             log.info(
@@ -449,6 +544,95 @@ class SiteRunner:
                 state.tokens, state.compute_s,
             )  # fmt: skip
         return state
+
+
+class _Fold:
+    """One phase's start, and (on an early lease) the fold-in of the merged model.
+
+    An early phase starts from the site's own weights. Between steps rank 0 checks whether
+    the merged model of the previous round has arrived, and tells every rank; they then fold
+    it in (crossfed.train.overlap) and the phase's generation, reference model and global
+    step become the merged ones, so its delta is measured against them. If it has not
+    arrived when the phase ends, the phase waits for it (idle), folds it in and then sends.
+    """
+
+    def __init__(self, runner: SiteRunner, start: RoundStart) -> None:
+        self.r, self.start = runner, start
+        self.schedule = _ShiftedSchedule(LRSchedule(**start.schedule))
+        self.step: int | None = None  # the phase's step at which it folded (0: before any)
+        self.wait_s = 0.0
+        self.download_s = 0.0
+
+    def between_steps(self, state: PhaseState) -> None:
+        if not self.start.early:
+            return
+        inflight = self.r._inflight
+        ready = inflight is not None and inflight.arrived.is_set() if self.r.ranks.main else None
+        if broadcast_object(ready, self.r.ranks):
+            self._apply(state.steps)
+
+    def finish(self, state: PhaseState) -> RoundStart:
+        """The phase's start as its delta is measured: after the fold-in (waited for)."""
+        if self.start.early:
+            if self.r.ranks.main:
+                assert self.r._inflight is not None
+                self.wait_s = self.r._inflight.wait_arrived()
+            self._apply(state.steps)
+        return self.start
+
+    def _apply(self, steps: int) -> None:
+        r = self.r
+        assert r.model is not None
+        info = None
+        if r.ranks.main:
+            inflight = r._settle_inflight()
+            assert inflight is not None and inflight.merged_path is not None
+            self.download_s = inflight.download_s
+            info = (str(inflight.merged_path), inflight.generation, inflight.global_step)
+        path, generation, global_step = broadcast_object(info, r.ranks)
+        merged = inflight.merged if r.ranks.main else load_file(path)
+        assert merged is not None
+        if steps == 0:  # arrived before the first step: the phase is an ordinary one
+            load_full_parameters(r.model, merged)
+        else:
+            assert r._sent is not None
+            theta = full_parameters(r.model)
+            load_full_parameters(r.model, fold_in(theta, r._sent, merged, r.s.overlap))
+            del theta
+        if r.ranks.main:
+            inflight.merged = None
+        r._sent = None
+        self.schedule.shift = global_step - self.start.global_step
+        self.start = replace(
+            self.start, generation=generation, model_path=path, global_step=global_step,
+            early=False,
+        )  # fmt: skip
+        self.step = steps
+        log.info(
+            "%s folded in generation %d at step %d (%s)",
+            site_prefix(r.s.site), generation, steps, r.s.overlap.rule,
+        )  # fmt: skip
+
+    def account(self, outcome: RoundOutcome) -> None:
+        """The fold-in's figures in the round's outcome."""
+        if self.step is None:
+            return
+        outcome.fold_step = self.step or None
+        outcome.merge_wait_s = self.wait_s
+        exposed = min(self.download_s, self.wait_s)
+        outcome.download_s = self.download_s
+        outcome.comms_exposed_s = exposed
+        outcome.comms_hidden_s = self.download_s - exposed
+
+
+class _ShiftedSchedule:
+    """An LR schedule whose step index moves when an early phase learns its global step."""
+
+    def __init__(self, base: LRSchedule) -> None:
+        self.base, self.shift = base, 0
+
+    def lr_at(self, step: int) -> float:
+        return self.base.lr_at(step + self.shift)
 
 
 class _Progress:

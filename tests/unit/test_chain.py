@@ -348,3 +348,57 @@ def test_slurm_commands_of_a_chain_run_with_standard_times(monkeypatch) -> None:
 
     monkeypatch.setenv("SLURM_TIME_FORMAT", "relative")
     assert "SLURM_TIME_FORMAT=standard" in _run(["env"]).splitlines()
+
+
+# ---------------------------------------------------------------------------- overlapped rounds
+
+
+def test_with_overlap_a_site_whose_part_is_in_trains_the_next_round_but_never_two_ahead() -> None:
+    settings = ChainSettings(through_round=5)
+    out = ChainOutcome("lumi", "walltime")
+    assert next_action(2, {2}, settings, out, [], 0.0, overlap=True) == ("train", 3)
+    assert next_action(2, {2, 3}, settings, out, [], 0.0, overlap=True) == ("wait", 2)
+    assert next_action(2, {2}, settings, out, [], 0.0) == ("wait", 2)  # overlap off: today's
+    assert next_action(5, {5}, settings, out, [], 0.0, overlap=True) == ("wait", 5)  # the last
+
+
+def test_with_overlap_a_sent_round_is_recorded_once_its_send_is_answered() -> None:
+    """The runner returns "sending" and hands the outcome over later (settled or finish);
+    each round is recorded once, with its final status and the seconds of its phase."""
+    clock = [0.0]
+    coordinator = FakeCoordinator(lag=1)
+    seen: list[tuple[int, str, float]] = []
+
+    class Overlapped:
+        overlapped = True
+
+        def __init__(self) -> None:
+            self.trained: list[int] = []
+            self.in_flight: Outcome | None = None
+            self.ready: list[Outcome] = []
+
+        def run_round(self, round_no: int, accumulation: int | None = None) -> Outcome:
+            assert round_no in (coordinator.round, coordinator.round + 1), "two rounds ahead"
+            if self.in_flight is not None:  # the previous round's merge has arrived by now
+                self.ready.append(self.in_flight)
+                coordinator.round = max(coordinator.round, self.in_flight.round + 1)
+            clock[0] += 2.0
+            self.trained.append(round_no)
+            self.in_flight = Outcome(round_no, "accepted")
+            return Outcome(round_no, "sending")
+
+        def settled(self) -> list[Outcome]:
+            out, self.ready = self.ready, []
+            return out
+
+        def finish(self) -> list[Outcome]:
+            last, self.in_flight = self.in_flight, None
+            return self.settled() + ([last] if last else [])
+
+    runner = Overlapped()
+    out = run_chain("lumi", runner, coordinator, ChainSettings(through_round=3),
+                    on_round=lambda o, s: seen.append((o.round, o.status, s)),
+                    clock=lambda: clock[0], sleep=lambda s: None)  # fmt: skip
+    assert runner.trained == [1, 2, 3]
+    assert seen == [(1, "accepted", 2.0), (2, "accepted", 2.0), (3, "accepted", 2.0)]
+    assert [r.status for r in out.rounds] == ["accepted"] * 3 and out.trained == 3
