@@ -48,6 +48,10 @@ def site_table(results: Path) -> pd.DataFrame:
         "micro_batch",
         "idle_s",
         "idle_share",
+        "merge_wait_s",
+        "fold_step",
+        "comms_hidden_s",
+        "comms_exposed_s",
         "blocks_leased",
         "blocks_committed",
         "transport",
@@ -116,7 +120,62 @@ def round_table(results: Path, sites: pd.DataFrame) -> pd.DataFrame:
         frame = frame.sort_values("round")
         frame["cum_tokens"] = frame["tokens"].cumsum()
         frame["overhead_share"] = frame["overhead_s"] / (frame["compute_s"] + frame["overhead_s"])
+        frame["goodput"] = round_goodput(frame, sites)
     return frame
+
+
+def round_goodput(rounds: pd.DataFrame, sites: pd.DataFrame) -> pd.Series:
+    """Per round: this workflow's sites' accepted compute over their site-seconds in the
+    round's period (from the previous round's close, or this one's opening, to its close)."""
+    if sites.empty or "compute_s" not in sites:
+        return pd.Series(float("nan"), index=rounds.index)
+    accepted = sites[sites["status"] == "accepted"]
+    compute = accepted.groupby("round")["compute_s"].sum()
+    count = accepted.groupby("round")["site"].nunique()
+    start = rounds["closed_at"].shift(1).fillna(rounds["opened_at"])
+    period = (rounds["closed_at"] - start).where(lambda s: s > 0)
+    by_round = rounds["round"]
+    return by_round.map(compute) / (by_round.map(count) * period)
+
+
+def site_jobs(results: Path) -> list[dict[str, Any]]:
+    """Every site job's outcome: the local profile's one per run length, a chain's per job."""
+    paths = sorted(results.glob("sites/*/chain-*.json"))
+    paths += sorted(results.glob("sites/*/job-*/outcome.json"))
+    return [_read(p) for p in paths]
+
+
+def goodput(jobs: list[dict[str, Any]]) -> float | None:
+    """The run's goodput: the sites' accepted compute seconds over their jobs' wall seconds
+    (start-up, waits at the barrier or for a merge, and the end included). None without
+    jobs that record their compute."""
+    timed = [j for j in jobs if "compute_s" in j and j.get("ended_at") and j.get("started_at")]
+    wall = sum(float(j["ended_at"]) - float(j["started_at"]) for j in timed)
+    if not timed or wall <= 0:
+        return None
+    return sum(float(j["compute_s"]) for j in timed) / wall
+
+
+def plot_goodput(rounds: pd.DataFrame, run_goodput: float | None, path: Path) -> Path:
+    """Per round, the share of the sites' time spent computing; the run's goodput beside it."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if "goodput" in rounds:
+        ax.bar(rounds["round"], rounds["goodput"], color="#1f77b4", label="round: compute share")
+    if run_goodput is not None:
+        ax.axhline(run_goodput, color="black", linestyle="--",
+                   label=f"run goodput {run_goodput:.3f} (site jobs)")  # fmt: skip
+    ax.axhline(0.95, color="#2ca02c", linestyle=":", label="0.95")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("outer round")
+    ax.set_ylabel("compute seconds / site seconds")
+    ax.set_xticks(rounds["round"].tolist())
+    ax.set_title("crossfed: goodput")
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def contributions(results: Path, site_names: list[str]) -> dict[str, int]:
@@ -413,6 +472,8 @@ def write_report(
     plot_round_time(rounds, results / "plots" / "round_time.png")
     plot_perplexity_wallclock(rounds, initial, results / "plots" / "perplexity_wallclock.png")
     plot_probe_history(probe_history(results), results / "plots" / "probes.png")
+    run_goodput = goodput(site_jobs(results))
+    plot_goodput(rounds, run_goodput, results / "plots" / "goodput.png")
     plans, chains = plan_table(results), chain_table(results)
     plans.to_csv(metrics / "plans.csv", index=False)
     chains.to_csv(metrics / "chains.csv", index=False)
@@ -443,6 +504,7 @@ def write_report(
         "stopped_s": float(rounds["idle_s"].sum()),
         "compute_s": float(rounds["compute_s"].sum()),
         "overhead_s": float(rounds["overhead_s"].sum()),
+        "goodput": run_goodput,
         "blocks_committed": int(ledger[ledger["site"] == "total"]["blocks_committed"].iloc[0]),
         "blocks_lost": int(ledger[ledger["site"] == "total"]["blocks_lost"].iloc[0]),
     }

@@ -27,6 +27,8 @@ rule report:
                          category="Training"),
         round_time=report(f"{RESULTS}/plots/round_time.png",
                           caption="../workflow/report/round_time.rst", category="Overhead"),
+        goodput=report(f"{RESULTS}/plots/goodput.png",
+                       caption="../workflow/report/goodput.rst", category="Overhead"),
         plans=f"{RESULTS}/metrics/plans.csv",
         plans_page=report(f"{RESULTS}/report/plans.html",
                           caption="../workflow/report/plans.rst", category="Placement"),
