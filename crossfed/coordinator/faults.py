@@ -21,6 +21,8 @@ POINTS = frozenset(
         "after_generation_write",  # generation g+1's files are written, not yet committed
         "after_close_commit",  # the round is closed and committed, before retention
         "site_after_step",  # a site job has finished an inner step of its phase (every rank)
+        "site_mid_upload",  # overlap: round r's delta is being sent while r+1 trains (rank 0)
+        "site_mid_fold",  # overlap: the merged model is half folded into the weights
     }
 )
 

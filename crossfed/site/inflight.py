@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from crossfed.coordinator.faults import crash_point
 from crossfed.progress import site_prefix
 from crossfed.site.control import Control, Heartbeat
 from crossfed.site.records import PendingDelta, RoundOutcome
@@ -62,6 +63,7 @@ class InFlight:
     def _run(self) -> None:
         try:
             try:
+                crash_point("site_mid_upload", f"{self.control.site}:{self.round}")  # tests only
                 self.outcome = self.control.send(self.pending, self.outcome, self.state_dir)
                 self.outcome.comms_hidden_s += self.outcome.upload_s  # beside the next phase
             except BaseException as exc:

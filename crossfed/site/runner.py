@@ -597,7 +597,9 @@ class _Fold:
         else:
             assert r._sent is not None
             theta = full_parameters(r.model)
-            load_full_parameters(r.model, fold_in(theta, r._sent, merged, r.s.overlap))
+            folded = fold_in(theta, r._sent, merged, r.s.overlap)
+            crash_point("site_mid_fold", f"{r.s.site}:{self.start.lease['round']}")  # tests only
+            load_full_parameters(r.model, folded)
             del theta
         if r.ranks.main:
             inflight.merged = None
