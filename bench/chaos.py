@@ -35,8 +35,15 @@ book) and compared with what each site journalled. The last line printed is one 
     held-out perplexity of generation ``rounds`` under chaos and in a fault-free run of the
     same config (same data, seeds, sites and proxy path).
 
+``overlap``, ``early_leases``
+    whether the sites ran overlapped rounds (``--overlap``): a site sends its delta in the
+    background and trains an early lease of the next round meanwhile, so it may hold two
+    leases (one per round) when it is killed. The audit counts per lease, not per site.
+    ``early_leases``: leases the ledger granted before their round opened.
+
 Run: ``python bench/chaos.py`` (about 10 rounds; minutes) or ``--short`` (the test suite's
-version). ``--no-reference`` skips the fault-free run.
+version). ``--no-reference`` skips the fault-free run; ``--overlap`` runs the sites with
+overlapped rounds (the fault-free reference too).
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ class ChaosConfig:
     proxy_lifetime_s: tuple[float, float] = (1.5, 5.0)
     timeout_s: float = 1200.0
     faults: bool = True
+    overlap: bool = False  # overlapped rounds: two leases per site, the next one early
 
 
 SHORT = ChaosConfig(rounds=4, coordinator_kills=1, site_kills=2, timeout_s=600.0)
@@ -352,7 +360,10 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     from crossfed.site import SiteRunner, SiteSettings
+    from crossfed.site.loop import ChainOutcome, ChainSettings, next_action
+    from crossfed.site.records import RoundOutcome
     from crossfed.train.inner import InnerConfig
+    from crossfed.train.overlap import OverlapConfig
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -373,31 +384,59 @@ def worker(args: argparse.Namespace) -> int:
         inner=InnerConfig(micro_batch=config.micro_batch, slowdown=SITES[args.site]),
         heartbeat_s=0.5,
         lease_wait_s=20.0,
+        overlap=OverlapConfig(enabled=config.overlap),
     )
     runner = SiteRunner(settings, client)
-    done = 0  # the last round this process contributed to
+    # the rounds this process's part is in (accepted, or being sent in the background) and,
+    # of those, the ones being sent: as in crossfed.site.loop.run_chain, a site with overlap
+    # trains the next round at once while the open round's delta is in flight, never further
+    chain = ChainSettings(through_round=config.rounds)
+    decisions = ChainOutcome(args.site, "walltime")
+    done: set[int] = set()
+    sending: set[int] = set()
+
+    def record(outcome: RoundOutcome) -> None:
+        sending.discard(outcome.round)
+        client.note(event="outcome", **{k: v for k, v in asdict(outcome).items() if k != "extra"})
+
     while True:
+        for outcome in runner.settled():
+            record(outcome)
         try:
             status = client.status()
         except (Unreachable, Refused) as exc:
             logging.warning("status: %s", exc)
             continue
         if status["generation"] >= config.rounds:
-            return 0
-        if status["round"] <= done:  # wait for the others and the merge
+            break
+        current = int(status["round"])
+        ahead = runner.overlapped and current in sending
+        action, round_no = next_action(current, done, chain, decisions, (), time.time(), ahead)
+        if action != "train":  # wait for the others and the merge
             time.sleep(0.5)
             continue
         try:
-            outcome = runner.run_round(status["round"])
+            outcome = runner.run_round(round_no)
         except (Unreachable, Refused) as exc:  # a real job would fail and be resubmitted
-            client.note(event="error", site=args.site, round=status["round"], error=str(exc))
+            client.note(event="error", site=args.site, round=round_no, error=str(exc))
+            sending.clear()  # whatever was in flight: the next round waits for its merge
             time.sleep(1.0)
             continue
-        client.note(event="outcome", **{k: v for k, v in asdict(outcome).items() if k != "extra"})
+        if outcome.status == "sending":
+            done.add(round_no)
+            sending.add(round_no)
+            continue
+        record(outcome)
         if outcome.status == "accepted":
-            done = max(done, outcome.round)
+            done.add(outcome.round)
         else:
             time.sleep(0.5)
+    try:
+        for outcome in runner.finish():
+            record(outcome)
+    except (Unreachable, Refused) as exc:
+        client.note(event="error", site=args.site, round=status["round"], error=str(exc))
+    return 0
 
 
 # ---------------------------------------------------------------------------- campaign
@@ -553,6 +592,10 @@ def audit(state: Path, root: Path) -> dict[str, Any]:
         audit_rows = conn.execute(
             f"SELECT epoch, block, lease_id FROM {COMMITTED_TABLE}"
         ).fetchall()
+        opened = dict(conn.execute("SELECT round_no, opened_at FROM rounds").fetchall())
+        grants = [json.loads(a) for (a,) in conn.execute(
+            "SELECT args FROM darl_events WHERE op = 'grant'"
+        )]  # fmt: skip
     finally:
         conn.close()
     merged: Counter[tuple[int, int]] = Counter()
@@ -589,6 +632,8 @@ def audit(state: Path, root: Path) -> dict[str, Any]:
     granted = sum(s.blocks_granted for s in stats)
     reclaimed = sum(s.blocks_lost for s in stats)
     outcomes = Counter(r["status"] for r in journal if r["event"] == "outcome")
+    # early leases (overlapped rounds): granted before their round opened
+    early = sum(1 for g in grants if g["now"] < opened.get(g["round_no"], float("inf")))
     return {
         "blocks_lost": lost,
         "blocks_duplicated": duplicated,
@@ -604,6 +649,7 @@ def audit(state: Path, root: Path) -> dict[str, Any]:
         "reclaimed_fraction": round(reclaimed / granted, 4) if granted else 0.0,
         "site_outcomes": dict(outcomes),
         "site_errors": sum(1 for r in journal if r["event"] == "error"),
+        "early_leases": early,
     }
 
 
@@ -639,7 +685,9 @@ def val_perplexity(model_path: Path, data: Path) -> float:
 # ---------------------------------------------------------------------------- entry
 def campaign(args: argparse.Namespace) -> int:
     config = SHORT if args.short else ChaosConfig()
-    config = replace(config, seed=args.seed, rounds=args.rounds or config.rounds)
+    config = replace(
+        config, seed=args.seed, rounds=args.rounds or config.rounds, overlap=args.overlap
+    )
     root = Path(args.workdir) if args.workdir else REPO / "results" / "bench" / "chaos"
     root.mkdir(parents=True, exist_ok=True)
     data = prepare_data(root, config)
@@ -648,6 +696,7 @@ def campaign(args: argparse.Namespace) -> int:
         "rounds": config.rounds,
         "sites": len(SITES),
         "seed": config.seed,
+        "overlap": config.overlap,
         "faults_injected": faults_injected(chaos),
         "faults": {**chaos["injected"], **_proxy_faults(chaos["proxy"])},
         "proxy_reaped_idle": chaos["proxy"].get("reaped_idle", 0),
@@ -685,6 +734,7 @@ _REPORTED = (
     "acknowledged_by_sites",
     "site_outcomes",
     "site_errors",
+    "early_leases",
     "worker_crashes",
     "wall_s",
 )
@@ -720,6 +770,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", help="default: results/bench/chaos")
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlapped rounds: each site trains the next round's early lease while its "
+        "delta is sent and merged (two leases per site)",
+    )
     args = parser.parse_args(argv)
     if args.command == "worker":
         return worker(args)

@@ -3,7 +3,9 @@
 Real processes throughout: a coordinator SIGKILLed and restarted, three training site
 processes of which two depart and rejoin, all traffic through a proxy that refuses, delays
 and kills connections. The run must finish its rounds with every block of a finished epoch
-merged exactly once, nothing a site was told is committed missing, and no 5xx.
+merged exactly once, nothing a site was told is committed missing, and no 5xx. It runs twice:
+plain rounds, and overlapped rounds (``--overlap``: each site trains an early lease of the
+next round while its delta is sent and merged, so a killed site may hold two leases).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_short_chaos_campaign_keeps_exactly_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_short_chaos_campaign_keeps_exactly_once(tmp_path: Path, overlap: bool) -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "chaos.py"), "--short", "--no-reference"]
-        + ["--workdir", str(tmp_path), "--seed", "3"],
+        + ["--workdir", str(tmp_path), "--seed", "3"]
+        + (["--overlap"] if overlap else []),
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -31,6 +35,8 @@ def test_short_chaos_campaign_keeps_exactly_once(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["overlap"] is overlap
+    assert (result["early_leases"] > 0) is overlap  # leases granted before their round opened
     assert result["faults"]["coordinator_sigkill"] == 1
     assert result["faults"]["site_departures"] == result["faults"]["site_rejoins"] == 2
     assert result["faults_injected"] >= 5
