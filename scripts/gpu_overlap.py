@@ -10,8 +10,9 @@ config.json, tokenizer). Everything is local; nothing is downloaded. The run liv
 
 The last line printed is one JSON object: device, flavour, rounds, tokens_per_s (median over
 the site's accepted rounds), mfu (median; null on CPU), goodput and val_perplexity (from
-metrics/final.json), the export folder, overlap, and what the overlap did (rounds whose phase
-folded the merged model in, transfer seconds hidden beside training and exposed).
+metrics/final.json), the export folder, overlap, and what the overlap did (the phases that
+folded the merged model in and at which step, transfer seconds hidden beside training and
+exposed, seconds waited for a late merge at a phase's end).
 
     .venv/bin/python scripts/gpu_overlap.py                        # Qwen3-0.6B on cuda, 3 rounds
     .venv/bin/python scripts/gpu_overlap.py --flavour tiny --device cpu --rounds 2 \\
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import importlib.util
 import json
 import logging
 import os
@@ -152,6 +154,7 @@ def summarise(
         "overlap": True,
         "overlap_rule": args.overlap_rule,
         "rounds_folded": len(folded),
+        "fold_steps": [int(float(r["fold_step"])) for r in folded],
         "comms_hidden_s": sum(_float(r.get("comms_hidden_s")) or 0.0 for r in accepted),
         "comms_exposed_s": sum(_float(r.get("comms_exposed_s")) or 0.0 for r in accepted),
         "merge_wait_s": sum(_float(r.get("merge_wait_s")) or 0.0 for r in accepted),
@@ -177,6 +180,10 @@ def check_args(args: argparse.Namespace) -> None:
                 f"--device {args.device}: torch {torch.__version__} sees no GPU here; install the "
                 "site's CUDA or ROCm torch build, or pass --device cpu"
             )
+    if importlib.util.find_spec("transformers") is None:
+        raise ScriptError(
+            "crossfed export needs transformers: pip install -e '.[hf]' in the crossfed checkout"
+        )
     workdir = Path(args.workdir)
     if workdir.exists() and any(workdir.iterdir()):
         raise ScriptError(f"--workdir {workdir} is not empty; name a new folder (or remove it)")
