@@ -73,11 +73,13 @@ class RoundRunner(Protocol):
     """What the chain needs of a site runner (crossfed.site.SiteRunner).
 
     With overlapped rounds (``overlapped``) ``run_round`` returns while the delta is still
-    being sent (status "sending"); ``settled()`` hands over the outcomes of such rounds once
-    their sends are answered, and ``finish()`` waits for the last one.
+    being sent (status "sending"); while that round is ``in_flight`` the chain starts the
+    next one at once. ``settled()`` hands over the outcomes of such rounds once their sends
+    are answered, and ``finish()`` waits for the last one.
     """
 
     overlapped: bool
+    in_flight: bool
 
     def run_round(self, round_no: int, accumulation: int | None = None) -> Any: ...
 
@@ -279,10 +281,19 @@ def run_chain(
     while True:
         if overlap:
             settle(runner.settled())
+            if settings.through_round in done and client is not None:
+                # the last round's delta is sent: nothing is left to train, and waiting
+                # for its merge would only hold the allocation idle
+                out.first_round = out.first_round or settings.through_round
+                out.stopped, out.next_round = "run_complete", settings.through_round + 1
+                out.detail = f"round {settings.through_round}'s delta is sent"
+                share(("stop", out.next_round))
+                break
         decision = None
         if client is not None:
             current = int(client.status()["round"])
-            decision = next_action(current, done, settings, out, durations, clock(), overlap)
+            ahead = overlap and bool(getattr(runner, "in_flight", False))
+            decision = next_action(current, done, settings, out, durations, clock(), ahead)
         action, current = share(decision)
         if action == "stop":
             break

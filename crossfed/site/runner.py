@@ -145,6 +145,12 @@ class SiteRunner:
         return self.s.overlap.enabled
 
     @property
+    def in_flight(self) -> bool:
+        """Whether a round's delta is being sent or merged (rank 0): the next round's phase
+        may start now, on an early lease."""
+        return self._inflight is not None
+
+    @property
     def pending_path(self) -> Path:
         return self.dir / "pending.json"
 

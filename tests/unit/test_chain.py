@@ -16,6 +16,7 @@ from crossfed.site.loop import (
     ChainOutcome,
     ChainRecord,
     ChainSettings,
+    chain_continues,
     estimate_round_s,
     fits,
     history_durations,
@@ -402,3 +403,7 @@ def test_with_overlap_a_sent_round_is_recorded_once_its_send_is_answered() -> No
     assert runner.trained == [1, 2, 3]
     assert seen == [(1, "accepted", 2.0), (2, "accepted", 2.0), (3, "accepted", 2.0)]
     assert [r.status for r in out.rounds] == ["accepted"] * 3 and out.trained == 3
+    # its last delta sent, the job ends without waiting for the last merge; a run extended
+    # past it still gets a job
+    assert coordinator.round == 3 and out.stopped == "run_complete" and out.next_round == 4
+    assert not chain_continues(out.to_dict(), 3) and chain_continues(out.to_dict(), 4)
