@@ -89,6 +89,11 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
         thread.join(timeout=600)
     assert not errors, errors
     client = coordinator.client()
+    # both jobs ended once their last delta was in; the coordinator merges it after them
+    assert all(chain.stopped == "run_complete" for chain in chains.values())  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 120
+    while client.status()["round"] <= ROUNDS and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert client.status()["round"] == ROUNDS + 1
     for name in ("snellius", "frontier"):
         assert sorted(outcomes[name]) == [1, 2, 3]
