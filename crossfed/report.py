@@ -158,19 +158,20 @@ def goodput(jobs: list[dict[str, Any]]) -> float | None:
 
 def plot_goodput(rounds: pd.DataFrame, run_goodput: float | None, path: Path) -> Path:
     """Per round, the share of the sites' time spent computing; the run's goodput beside it."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4.6))
     if "goodput" in rounds:
         ax.bar(rounds["round"], rounds["goodput"], color="#1f77b4", label="round: compute share")
     if run_goodput is not None:
         ax.axhline(run_goodput, color="black", linestyle="--",
                    label=f"run goodput {run_goodput:.3f} (site jobs)")  # fmt: skip
-    ax.axhline(0.95, color="#2ca02c", linestyle=":", label="0.95")
+    ax.axhline(0.95, color="#2ca02c", linestyle=":", label="target 0.95")
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("outer round")
     ax.set_ylabel("compute seconds / site seconds")
     ax.set_xticks(rounds["round"].tolist())
     ax.set_title("crossfed: goodput")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize="small",
+              frameon=False)  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
