@@ -130,7 +130,11 @@ def test_the_report_page_shows_tables_and_named_figures_in_chromium(
     parts = [column for column, _, _ in ROUND_PARTS]
     assert set(parts) <= set(rounds.columns)
     assert (rounds[parts].sum(axis=1) - rounds["round_s"]).abs().max() < 1e-6  # all of it
-    for name in ("perplexity.png", "perplexity_wallclock.png", "round_time.png", "probes.png"):
+    final = json.loads((results / "metrics" / "final.json").read_text())
+    assert 0 < final["goodput"] < 1  # the sites' accepted compute over their jobs' seconds
+    assert rounds["goodput"].between(0, 1).all()
+    for name in ("perplexity.png", "perplexity_wallclock.png", "round_time.png", "probes.png",
+                 "goodput.png"):  # fmt: skip
         assert files[name][0] == "image/png", name
         picture = matplotlib.image.imread(results / "plots" / name)
         drawn = (picture[..., :3] < 0.9).any(axis=-1).mean()  # share of non-white pixels
