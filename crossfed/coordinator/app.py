@@ -172,6 +172,8 @@ class DeltaBody(BaseModel):
     blob: str = Field(min_length=64, max_length=80)  # "blake3:<hex>", "sha256:<hex>"
     loss: float | None = Field(default=None, allow_inf_nan=False)
     compute_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    #: seconds the site held the lease waiting for a merge (overlapped rounds)
+    idle_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 def create_app(
@@ -610,6 +612,7 @@ def _add_delta_routes(app: FastAPI, api: _Api) -> None:
         consumed: Annotated[int, Query(ge=1, le=MAX_INT)],
         loss: Annotated[float | None, Query(allow_inf_nan=False)] = None,
         compute_s: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
+        idle_s: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
         x_content_digest: Annotated[str | None, Header(min_length=1, max_length=80)] = None,
         x_content_sha256: Annotated[str | None, Header(min_length=1, max_length=80)] = None,
     ) -> dict[str, Any]:
@@ -645,6 +648,7 @@ def _add_delta_routes(app: FastAPI, api: _Api) -> None:
             blob=digest,
             loss=loss,
             compute_s=compute_s,
+            idle_s=idle_s,
             by=site_of(who),
             **fields,
         )

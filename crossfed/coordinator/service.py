@@ -677,15 +677,19 @@ class Coordinator:
         loss: float | None = None,
         compute_s: float | None = None,
         by: str | None = None,
+        idle_s: float | None = None,
     ) -> dict[str, Any]:
         """Accept a delta and commit its blocks in ONE transaction; idempotent per lease.
+
+        ``idle_s`` is how long the site held the lease waiting for the previous round's
+        merge (an overlapped round's early lease): left out of its pace (DARL's grant sizing).
 
         ``by`` is the site whose token sent it (None: the admin): a site may submit only a
         blob it uploaded itself; anyone else's is, to it, a blob that does not exist.
         Steps: the numbers, the blob's tensors (outside the lock), the lease and the claim
         (:meth:`_vet`), the blob's verdict, then the commit (:meth:`_record`).
         """
-        for name, value in (("loss", loss), ("compute_s", compute_s)):
+        for name, value in (("loss", loss), ("compute_s", compute_s), ("idle_s", idle_s)):
             if value is not None and not math.isfinite(value):
                 raise CoordinatorError(422, "bad_number", f"{name} must be finite, got {value}")
         checked, rejected = self._check_blob_unlocked(blob)
@@ -711,7 +715,7 @@ class Coordinator:
                 "loss": loss,
                 "compute_s": compute_s,
             }
-            result = self._record(vetted, delta)
+            result = self._record(vetted, delta, idle_s or 0.0)
             return {
                 "accepted": True,
                 "already": False,
@@ -736,7 +740,7 @@ class Coordinator:
             return True, exc
         return True, None
 
-    def _record(self, lease: Lease, delta: dict[str, Any]) -> Any:
+    def _record(self, lease: Lease, delta: dict[str, Any], idle_s: float = 0.0) -> Any:
         """Commit the lease's first ``consumed`` blocks and record ``delta`` (the deltas row
         without its time) in one transaction; the next epoch starts when this one is done.
         Holds the lock; returns the lease book's commit result."""
@@ -745,9 +749,8 @@ class Coordinator:
         site, lease_id, consumed = delta["site"], delta["lease_id"], delta["consumed"]
         try:
             with lease_errors(409), self._mutation():
-                result = self._event(
-                    "commit", {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now}
-                )
+                args = {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now}
+                result = self._event("commit", {**args, "idle_s": idle_s} if idle_s else args)
                 blocks = self.space.permutation(lease.epoch)[lease.start : lease.start + consumed]
                 self.ledger.record_commit_blocks(lease.epoch, site, lease_id, blocks.tolist())
                 store.add_delta(self.conn, **delta, accepted_at=now)

@@ -381,10 +381,17 @@ class LeaseBook:
         stats.blocks_granted += tail
         return self._new_lease(site, round_no, span, now, ttl_s)
 
-    def commit(self, lease_id: int, site: str, consumed: int, now: float) -> CommitResult:
-        """Commit the first `consumed` blocks, pool the rest; repeating it changes nothing."""
+    def commit(
+        self, lease_id: int, site: str, consumed: int, now: float, idle_s: float = 0.0
+    ) -> CommitResult:
+        """Commit the first `consumed` blocks, pool the rest; repeating it changes nothing.
+
+        `idle_s`: seconds the site held the lease waiting, not working (an overlapped
+        round's wait for the previous merge); they are left out of its commit rate.
+        """
         lease = self._owned(lease_id, site)
         consumed = _count("consumed", consumed)
+        idle_s = _finite("idle_s", idle_s)
         if lease.status == COMMITTED:
             if consumed != lease.consumed:
                 raise LeaseError(
@@ -406,7 +413,7 @@ class LeaseBook:
         stats.blocks_lost += lease.end - cut
         lease.consumed = consumed
         self._close(lease, COMMITTED)
-        held = now - lease.granted_at
+        held = now - lease.granted_at - max(0.0, idle_s)
         if consumed and held > 0:
             self._rates.setdefault(site, deque(maxlen=RATE_WINDOW)).append((consumed, held))
         self._seen[site] = now

@@ -113,7 +113,7 @@ def apply_event(book: LeaseBook, op: str, args: Mapping[str, object]) -> object:
     if op == "steal":
         return book.steal(a["site"], a["now"], a["ttl_s"], a["round_no"])
     if op == "commit":
-        return book.commit(a["lease_id"], a["site"], a["consumed"], a["now"])
+        return book.commit(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("idle_s", 0.0))
     if op == "release":
         return book.release(a["lease_id"], a["site"], a["now"])
     if op == "expire":

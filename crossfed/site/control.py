@@ -224,6 +224,7 @@ class Control:
                 consumed=pending.consumed,
                 loss=pending.loss,
                 compute_s=pending.compute_s,
+                idle_s=pending.idle_s or None,
             )
         except Refused as exc:
             if exc.status >= 500 or exc.status in (401, 403):

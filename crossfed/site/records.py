@@ -138,6 +138,7 @@ class PendingDelta:
     delta: str  # the delta file
     key: str | None  # its digest, computed while it was written
     residual: str | None  # the residual it leaves (error feedback)
+    idle_s: float | None = None  # held waiting for a merge (overlapped rounds), not working
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -478,6 +478,7 @@ class SiteRunner:
                 loss=PhaseResult.of(state).loss_mean, compute_s=state.compute_s,
                 delta=str(delta_path), key=key,
                 residual=str(residual_path) if residual_path else None,
+                idle_s=outcome.merge_wait_s,
             )  # fmt: skip
             self._write_pending(pending)
         self._sent = params if self.overlapped else None  # what the next phase folds from

@@ -152,3 +152,21 @@ def test_next_expiry_and_active_sites_for_the_clock_tick():
     assert book.next_expiry() == 24.0 and book.active_sites(1) == []
     assert [x.lease_id for x in book.expire(24.0)] == [lb.lease_id]
     assert book.next_expiry() is None
+
+
+def test_time_spent_waiting_for_a_merge_is_left_out_of_the_pace():
+    """An overlapped round's early lease is held while its site waits for the previous
+    merge; that wait is not the site's pace (else a fast site's grants shrink and it waits
+    longer still). The commit event carries it, so a replay gives the same rates."""
+    book = book_with("a", "b")
+    lease = book.grant("a", 10, 0.0, 60.0, 2)
+    book.commit(lease.lease_id, "a", 10, 9.0, idle_s=4.0)
+    assert book.commit_rate("a") == pytest.approx(10 / 5.0)
+    with pytest.raises(LeaseError, match="idle_s"):
+        book.commit(book.grant("b", 1, 0.0, 60.0, 2).lease_id, "b", 1, 1.0, idle_s=float("nan"))
+    replayed = book_with("a")
+    grant = {"site": "a", "n_blocks": 10, "now": 0.0, "ttl_s": 60.0, "round_no": 2}
+    commit = {"lease_id": lease.lease_id, "site": "a", "consumed": 10, "now": 9.0, "idle_s": 4.0}
+    apply_event(replayed, "grant", grant)
+    apply_event(replayed, "commit", commit)
+    assert replayed.commit_rate("a") == book.commit_rate("a")
