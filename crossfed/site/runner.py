@@ -34,6 +34,7 @@ lease and every step's window limit.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import ExitStack
 from dataclasses import replace
@@ -522,6 +523,7 @@ class SiteRunner:
             reduce_loss=lambda loss: sum_over_ranks(loss, self.ranks),
         )  # fmt: skip
         progress = _Progress(self, round_no, state.tokens, len(windows), start.lease)
+        fold.limit(progress.steps)
         done = [state.windows]
 
         def limit() -> int:
@@ -559,19 +561,30 @@ class _Fold:
     An early phase starts from the site's own weights. Between steps rank 0 checks whether
     the merged model of the previous round has arrived, and tells every rank; they then fold
     it in (crossfed.train.overlap) and the phase's generation, reference model and global
-    step become the merged ones, so its delta is measured against them. If it has not
-    arrived when the phase ends, the phase waits for it (idle), folds it in and then sends.
+    step become the merged ones, so its delta is measured against them. No more than
+    ``overlap.max_stale`` of the phase's steps run before the fold-in: if the merged model
+    has not arrived by then (or by the phase's end), the phase waits for it (idle), folds
+    it in and goes on.
     """
 
     def __init__(self, runner: SiteRunner, start: RoundStart) -> None:
         self.r, self.start = runner, start
         self.schedule = _ShiftedSchedule(LRSchedule(**start.schedule))
         self.step: int | None = None  # the phase's step at which it folded (0: before any)
+        self.stale_steps: int | None = None  # steps allowed before the fold-in (None: all)
         self.wait_s = 0.0
         self.download_s = 0.0
 
+    def limit(self, phase_steps: int) -> None:
+        """The phase has ``phase_steps`` steps: at most ``max_stale`` of them before it folds."""
+        share = self.r.s.overlap.max_stale
+        self.stale_steps = max(1, math.ceil(share * phase_steps)) if share < 1 else None
+
     def between_steps(self, state: PhaseState) -> None:
         if not self.start.early:
+            return
+        if self.stale_steps is not None and state.steps >= self.stale_steps:
+            self._wait_and_apply(state.steps)  # the lead is spent: wait for the merge here
             return
         inflight = self.r._inflight
         ready = inflight is not None and inflight.arrived.is_set() if self.r.ranks.main else None
@@ -581,11 +594,14 @@ class _Fold:
     def finish(self, state: PhaseState) -> RoundStart:
         """The phase's start as its delta is measured: after the fold-in (waited for)."""
         if self.start.early:
-            if self.r.ranks.main:
-                assert self.r._inflight is not None
-                self.wait_s = self.r._inflight.wait_arrived()
-            self._apply(state.steps)
+            self._wait_and_apply(state.steps)
         return self.start
+
+    def _wait_and_apply(self, steps: int) -> None:
+        if self.r.ranks.main:
+            assert self.r._inflight is not None
+            self.wait_s += self.r._inflight.wait_arrived()
+        self._apply(steps)
 
     def _apply(self, steps: int) -> None:
         r = self.r

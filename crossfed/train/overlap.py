@@ -19,6 +19,11 @@ Two published rules, with ``theta`` the site's weights when the merged model arr
   2501.18512, mixing weight ``alpha``, 0.5 there): ``theta <- alpha * theta +
   (1 - alpha) * merged``.
 
+A phase takes at most ``max_stale`` of its steps (default half) before the fold-in; if
+the merged model has not arrived by then it waits for it there. The staleness of any step
+is so bounded: the quality benchmark measures the cost of a fold after half a phase
+against one at its end.
+
 Pure: tensors in, tensors out; the runner applies the result to its model.
 """
 
@@ -44,6 +49,9 @@ class OverlapConfig:
     rule: str = "rebase"
     #: the site's weight in the ``mix`` rule (Streaming DiLoCo's alpha)
     alpha: float = 0.5
+    #: the share of a phase's steps it may take before the merged model is folded in; past
+    #: it the phase waits for the merge (1: the whole phase, folding at its end)
+    max_stale: float = 0.5
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -52,6 +60,8 @@ class OverlapConfig:
             )
         if not 0.0 <= self.alpha <= 1.0:
             raise OverlapConfigError(f"overlap.alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 < self.max_stale <= 1.0:
+            raise OverlapConfigError(f"overlap.max_stale must be in (0, 1], got {self.max_stale}")
 
     @classmethod
     def of(cls, raw: Mapping[str, object] | bool | None) -> OverlapConfig:
@@ -62,16 +72,19 @@ class OverlapConfig:
             return cls(enabled=raw)
         if not isinstance(raw, Mapping):
             raise OverlapConfigError(f"overlap must be true, false or a mapping, got {raw!r}")
-        unknown = sorted(set(raw) - {"enabled", "rule", "alpha"})
+        unknown = sorted(set(raw) - {"enabled", "rule", "alpha", "max_stale"})
         if unknown:
             raise OverlapConfigError(f"unknown overlap setting(s): {', '.join(unknown)}")
         enabled = raw.get("enabled", True)
         if not isinstance(enabled, bool):
             raise OverlapConfigError(f"overlap.enabled must be true or false, got {enabled!r}")
-        alpha = raw.get("alpha", 0.5)
-        if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-            raise OverlapConfigError(f"overlap.alpha must be a number, got {alpha!r}")
-        return cls(enabled=enabled, rule=str(raw.get("rule", "rebase")), alpha=float(alpha))
+        numbers = {}
+        for key, default in (("alpha", 0.5), ("max_stale", 0.5)):
+            value = raw.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise OverlapConfigError(f"overlap.{key} must be a number, got {value!r}")
+            numbers[key] = float(value)
+        return cls(enabled=enabled, rule=str(raw.get("rule", "rebase")), **numbers)
 
 
 @torch.no_grad()
