@@ -8,8 +8,11 @@ round barrier or for a merge, and the end of the run included.
 
 The last line printed is one JSON object: ``goodput_off`` and ``goodput_on`` (target >= 0.95
 with overlap on), their ratio, the held-out perplexity, tokens and training wall-clock of
-each run, and per run the mean wait for a merged model (``merge_wait_s``) and the share of
-phases that folded a merged model in mid-phase or at its end (``folded_share``).
+each run, the overlapped run's perplexity over the plain one's at the end and at matched
+tokens (``ppl_on_over_off_matched_tokens``: both at the tokens the shorter run trained,
+interpolated between rounds), and per run the mean wait for a merged model
+(``merge_wait_s``), the share of phases that folded a merged model in mid-phase or at its
+end (``folded_share``) and the perplexity curve (tokens, perplexity per round).
 
     .venv/bin/python bench/overlap.py                 # about 10 minutes on 2 cores
     .venv/bin/python bench/overlap.py --rounds 12
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,11 +37,11 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def run_workflow(root: Path, overlap: bool, rounds: int | None, cores: int | None) -> dict:
-    """One local workflow run in ``root`` with ``overlap.enabled = overlap``; its figures."""
+def run_workflow(root: Path, overlap: dict, rounds: int | None, cores: int | None) -> dict:
+    """One local workflow run in ``root`` with these ``overlap`` settings; its figures."""
     (root / "config").mkdir(parents=True)
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["overlap"] = {**(config.get("overlap") or {}), "enabled": overlap}
+    config["overlap"] = {**(config.get("overlap") or {}), **overlap}
     if rounds:
         config["rounds"] = rounds
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -58,8 +62,13 @@ def run_workflow(root: Path, overlap: bool, rounds: int | None, cores: int | Non
     sites = pd.read_csv(results / "metrics" / "sites.csv")
     accepted = sites[sites["status"] == "accepted"]
     folded = accepted["fold_step"].notna() if "fold_step" in accepted else pd.Series([], bool)
+    rounds_csv = pd.read_csv(results / "metrics" / "rounds.csv")
     return {
         "goodput": final["goodput"],
+        "curve": [
+            [int(t), round(float(p), 2)]
+            for t, p in zip(rounds_csv["cum_tokens"], rounds_csv["val_perplexity"], strict=True)
+        ],
         "val_perplexity": round(final["val_perplexity"], 2),
         "tokens": final["tokens"],
         "rounds": final["rounds"],
@@ -70,26 +79,64 @@ def run_workflow(root: Path, overlap: bool, rounds: int | None, cores: int | Non
     }
 
 
+def perplexity_at(curve: list[list[float]], tokens: float) -> float | None:
+    """A run's held-out perplexity at ``tokens`` training tokens, interpolated in log space
+    between its rounds (None past its last round)."""
+    for (t0, p0), (t1, p1) in zip(curve, curve[1:], strict=False):
+        if t0 <= tokens <= t1:
+            w = (tokens - t0) / (t1 - t0)
+            return math.exp((1 - w) * math.log(p0) + w * math.log(p1))
+    return curve[-1][1] if curve and curve[-1][0] == tokens else None
+
+
+def matched(runs: dict) -> float | None:
+    """Overlapped over plain perplexity at the tokens the shorter run trained."""
+    tokens = min(runs["off"]["tokens"], runs["on"]["tokens"])
+    on, off = (perplexity_at(runs[k]["curve"], tokens) for k in ("on", "off"))
+    return round(on / off, 4) if on and off else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=None, help="default: config.yaml's")
     parser.add_argument("--cores", type=int, default=None, help="default: the profile's")
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
+    parser.add_argument(
+        "--max-stale",
+        type=float,
+        default=None,
+        help="overlap.max_stale of the overlapped run (default: the config's)",
+    )
+    parser.add_argument(
+        "--rule",
+        choices=["rebase", "mix"],
+        default=None,
+        help="overlap.rule of the overlapped run (default: the config's)",
+    )
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     base = Path(args.workdir) if args.workdir else Path(tmp.name)
     runs = {}
-    for name, overlap in (("off", False), ("on", True)):
+    on = {"enabled": True}
+    on |= {"max_stale": args.max_stale} if args.max_stale is not None else {}
+    on |= {"rule": args.rule} if args.rule else {}
+    for name, overlap in (("off", {"enabled": False}), ("on", on)):
         runs[name] = run_workflow(base / f"overlap-{name}", overlap, args.rounds, args.cores)
         print(f"overlap {name}: {json.dumps(runs[name])}", flush=True)
-    off, on = runs["off"]["goodput"], runs["on"]["goodput"]
+    good_off, good_on = runs["off"]["goodput"], runs["on"]["goodput"]
     print(
         json.dumps(
             {
                 "benchmark": "overlap",
-                "goodput_off": round(off, 4),
-                "goodput_on": round(on, 4),
-                "on_over_off": round(on / off, 4) if off else None,
+                "goodput_off": round(good_off, 4),
+                "goodput_on": round(good_on, 4),
+                "on_over_off": round(good_on / good_off, 4) if good_off else None,
+                "overlap_settings": on,
+                "ppl_on_over_off": round(
+                    runs["on"]["val_perplexity"] / runs["off"]["val_perplexity"], 4
+                ),
+                # at matched tokens: each run at the fewer of the two runs' tokens
+                "ppl_on_over_off_matched_tokens": matched(runs),
                 "target_on": 0.95,
                 "off": runs["off"],
                 "on": runs["on"],

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -137,6 +138,9 @@ class SiteRunner:
         self._inflight: InFlight | None = None
         self._sent: dict[str, torch.Tensor] | None = None
         self._settled: list[RoundOutcome] = []
+        #: called (from the sending thread) with each background send's outcome as soon as
+        #: the coordinator answers it; unset, ``settled()`` hands the outcomes over
+        self.on_settled: Callable[[RoundOutcome], None] | None = None
         self._last_start: RoundStart | None = None
         self._inner_steps = 0
 
@@ -174,7 +178,8 @@ class SiteRunner:
         return self._run_phase(round_no, start)
 
     def settled(self) -> list[RoundOutcome]:
-        """Outcomes of rounds whose delta was sent in the background since the last call."""
+        """Outcomes of rounds whose delta was sent in the background since the last call
+        (none when ``on_settled`` takes them)."""
         out, self._settled = self._settled, []
         return out
 
@@ -182,9 +187,16 @@ class SiteRunner:
         """The job ends: wait for the send in flight (not for its merge); every outcome left."""
         if self._inflight is not None:
             self._inflight.stop()
-            self._settled.append(self._inflight.wait_sent())
+            self._inflight.wait_sent()
             self._inflight = None
         return self.settled()
+
+    def _sent(self, outcome: RoundOutcome) -> None:
+        """A background send was answered (the sending thread calls this)."""
+        if self.on_settled is not None:
+            self.on_settled(outcome)
+        else:
+            self._settled.append(outcome)
 
     def _settle_inflight(self) -> InFlight | None:
         """Rank 0: wait for the round in flight to be merged and its model to arrive."""
@@ -192,7 +204,7 @@ class SiteRunner:
         if inflight is None:
             return None
         inflight.wait_arrived()
-        self._settled.append(inflight.wait_sent())
+        inflight.wait_sent()
         return inflight
 
     def _prepare_round(self, round_no: int) -> RoundOutcome | RoundStart:
@@ -384,6 +396,7 @@ class SiteRunner:
         try:
             state = self._train(round_no, fold, state, beat)
             start = fold.finish(state)
+            self._last_start = start  # the next early phase guesses its global step from it
             outcome = self._outcome(round_no, start, state)
             fold.account(outcome)
             if resumed_at:
@@ -408,7 +421,9 @@ class SiteRunner:
                 return outcome
             if self.overlapped and isinstance(beat, Heartbeat):
                 assert self.control is not None
-                self._inflight = InFlight(self.control, pending, outcome, beat, self.state_dir)
+                self._inflight = InFlight(
+                    self.control, pending, outcome, beat, self.state_dir, on_sent=self._sent
+                )
                 handed_over = True
                 return replace(outcome, status="sending")
             outcome = self._send(pending, outcome)
