@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,11 @@ class InFlight:
         beat: Heartbeat,
         state_dir: Path,
         *,
+        on_sent: Callable[[RoundOutcome], None] = lambda _outcome: None,
         poll_s: float = 0.5,
     ) -> None:
         self.control, self.pending, self.outcome = control, pending, outcome
+        self.on_sent = on_sent
         self.beat, self.state_dir, self.poll_s = beat, state_dir, poll_s
         self.round = pending.round
         self.sent = threading.Event()  # the coordinator answered the delta
@@ -71,7 +74,11 @@ class InFlight:
                 raise
             finally:
                 self.beat.__exit__(None, None, None)  # the lease is committed (or refused)
-                self.sent.set()
+            try:  # the round's record is written now, whatever happens to the next phase
+                self.on_sent(self.outcome)
+            except Exception:
+                log.exception("%s recording round %d", site_prefix(self.control.site), self.round)
+            self.sent.set()
             status = self._await_close()
             if status is None:
                 return

@@ -278,6 +278,10 @@ def run_chain(
         for outcome in outcomes:
             report(outcome, sending.pop(outcome.round, 0.0))
 
+    started: dict[int, float] = {}
+    if overlap:  # a background send's outcome is recorded the moment it is answered
+        runner.on_settled = lambda o: report(o, clock() - started.get(o.round, clock()))
+
     while True:
         if overlap:
             settle(runner.settled())
@@ -305,9 +309,9 @@ def run_chain(
         # rank 0's alone: the runner hands the round's A to the other ranks with the lease
         accumulation = accumulation_for(current) if client is not None else None
         log(f"{site_prefix(site)} round {current}: starting (estimate {out.estimate_s or 0:.0f}s)")
-        started = clock()
+        started[current] = clock()
         outcome = runner.run_round(current, accumulation)
-        seconds = clock() - started
+        seconds = clock() - started[current]
         status = str(getattr(outcome, "status", "unknown"))
         if status in (_TRAINED, _SENDING):
             durations.append(seconds)

@@ -191,7 +191,7 @@ class SiteRunner:
             self._inflight = None
         return self.settled()
 
-    def _sent(self, outcome: RoundOutcome) -> None:
+    def _send_answered(self, outcome: RoundOutcome) -> None:
         """A background send was answered (the sending thread calls this)."""
         if self.on_settled is not None:
             self.on_settled(outcome)
@@ -422,7 +422,12 @@ class SiteRunner:
             if self.overlapped and isinstance(beat, Heartbeat):
                 assert self.control is not None
                 self._inflight = InFlight(
-                    self.control, pending, outcome, beat, self.state_dir, on_sent=self._sent
+                    self.control,
+                    pending,
+                    outcome,
+                    beat,
+                    self.state_dir,
+                    on_sent=self._send_answered,
                 )
                 handed_over = True
                 return replace(outcome, status="sending")
