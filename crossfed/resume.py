@@ -95,8 +95,7 @@ def check_rerun(config: Mapping[str, Any], sites: Mapping[str, SiteConfig]) -> N
     if changed:
         raise ConfigError(
             f"{config['data']['dir']} holds the data this run was prepared from, and this "
-            f"config asks for other data: {'; '.join(changed)}. Nothing was changed; "
-            + _NEW_RUN
+            f"config asks for other data: {'; '.join(changed)}. Nothing was changed; " + _NEW_RUN
         )
     run_path = results / "run.json"
     if not run_path.exists():

@@ -133,9 +133,7 @@ def test_a_merge_from_files_writes_what_the_in_memory_step_computes(
         return merge_step(tmp_path / "master-1", shapes, paths, [70, 30], emit, OuterConfig())
 
     out_state, out_model = tmp_path / "master-2", tmp_path / "global-2"
-    digest, report, write_s = write_generation(
-        out_state, out_model, shapes, 2, step, momentum=True
-    )
+    digest, report, write_s = write_generation(out_state, out_model, shapes, 2, step, momentum=True)
     deltas = [load_file(str(p)) for p in paths]
     expected = outer_step(master, momentum, deltas, [70, 30], OuterConfig())
     assert report == expected and write_s > 0

@@ -161,9 +161,7 @@ def test_load_job_log_errors(tmp_path) -> None:
 
 # ----------------------------------------------------------------------------- SLURM_TIME_FORMAT
 
-SLURM_DATA = yaml.safe_load(
-    (DATA / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text()
-)
+SLURM_DATA = yaml.safe_load((DATA / "slurm" / "sbatch_sacct_2205_2511.yaml").read_text())
 
 
 @pytest.mark.parametrize("case", SLURM_DATA["times"], ids=lambda c: c["text"])
