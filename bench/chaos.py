@@ -387,6 +387,7 @@ def worker(args: argparse.Namespace) -> int:
         overlap=OverlapConfig(enabled=config.overlap),
     )
     runner = SiteRunner(settings, client)
+    runner.chained = True  # this loop trains the next round while a delta is sent
     # the rounds this process's part is in (accepted, or being sent in the background) and,
     # of those, the ones being sent: as in crossfed.site.loop.run_chain, a site with overlap
     # trains the next round at once while the open round's delta is in flight, never further

@@ -257,6 +257,8 @@ def run_chain(
     durations = list(settings.history_s)
     done: set[int] = set()
     delay = settings.poll_s
+    if hasattr(runner, "chained"):
+        runner.chained = True  # this loop trains the next round while a delta is sent
     overlap = bool(getattr(runner, "overlapped", False))
     sending: dict[int, float] = {}  # rounds whose send runs in the background: their seconds
 

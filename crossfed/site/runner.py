@@ -141,13 +141,16 @@ class SiteRunner:
         #: called (from the sending thread) with each background send's outcome as soon as
         #: the coordinator answers it; unset, ``settled()`` hands the outcomes over
         self.on_settled: Callable[[RoundOutcome], None] | None = None
+        self.chained = False
         self._last_start: RoundStart | None = None
         self._inner_steps = 0
 
     @property
     def overlapped(self) -> bool:
-        """Whether rounds overlap: run_round returns once the delta's send has started."""
-        return self.s.overlap.enabled
+        """Whether rounds overlap: run_round returns once the delta's send has started. Only
+        for a driver that trains the next round at once and takes the outcomes as they come
+        (``chained``: the site loop sets it); one round on its own is sent before it returns."""
+        return self.s.overlap.enabled and self.chained
 
     @property
     def in_flight(self) -> bool:
