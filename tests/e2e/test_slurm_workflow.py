@@ -152,7 +152,10 @@ def mid_round(log: Path) -> bool:
     just begun. (A step line can be the phase's last, a second before its delta is in.)"""
     if not log.exists():
         return False
-    return any(f"[snellius r{r}] lease " in log.read_text() for r in range(2, ROUNDS))
+    text = log.read_text()  # an overlapped round's phase starts on an early lease
+    return any(
+        f"[snellius r{r}] {kind}lease " in text for r in range(2, ROUNDS) for kind in ("", "early ")
+    )
 
 
 def outcomes(results: Path, site: str) -> list[dict]:

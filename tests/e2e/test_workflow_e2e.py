@@ -50,10 +50,13 @@ def test_three_sites_train_through_a_killed_site_job_and_a_killed_workflow(
     )
 
     # the workflow carries on without lumi's round-2 lease; in round 3 it is killed whole
-    # (the site loops may run a round ahead of the workflow's merge jobs: round 2's is waited for)
+    # (the site loops may run a round ahead of the workflow's merge jobs, and with overlapped
+    # rounds train round 3 before round 2 is merged: round 2's merge job is waited for until
+    # Snakemake has finished it, which its evaluation starting shows; a job killed while
+    # Snakemake finishes it would rightly be rerun)
     log = results / "logs" / "train" / "snellius-through-3.log"
-    merged = results / "rounds" / "2" / "merge.json"
-    wait_for(lambda: log_has_steps(log, 3) and merged.exists(), 600, "round 3 training")
+    evaluated = results / "rounds" / "2" / "eval.json"
+    wait_for(lambda: log_has_steps(log, 3) and evaluated.exists(), 600, "round 3 training")
     assert proc.poll() is None, proc.log_path.read_text()[-6000:]  # type: ignore[attr-defined]
     merged_before = {
         r: (results / "rounds" / str(r) / "merge.json").stat().st_mtime_ns for r in (1, 2)

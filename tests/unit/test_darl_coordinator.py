@@ -351,9 +351,11 @@ def test_sigkilled_coordinator_loses_nothing_and_renews_active_leases(
     g0 = global_model(darl, 0, tmp_path)
     join(darl, "snellius", tiny_data)
     join(darl, "lumi", tiny_data)
-    running = lease(darl, "snellius", 4, t_step=0.1)  # TTL: the 2 s floor
+    # TTL 4 s (2.5 x 1.6 s steps): shorter than the coordinator's downtime below, and long
+    # enough that the renewed lease outlives a busy machine's slow restart and reply
+    running = lease(darl, "snellius", 4, t_step=1.6)
     done = lease(darl, "lumi", 3)
-    darl.client("snellius").heartbeat(running["lease_id"], "snellius", 2, 0.1)
+    darl.client("snellius").heartbeat(running["lease_id"], "snellius", 2, 1.6)
     assert commit(darl, "lumi", done, delta_file(tmp_path, g0, name="a"))["accepted"]
     before = state(darl)
     darl.kill()
@@ -361,7 +363,7 @@ def test_sigkilled_coordinator_loses_nothing_and_renews_active_leases(
         (checkpoint,) = db.execute("SELECT seq FROM darl_checkpoints").fetchone()
         (last,) = db.execute("SELECT MAX(seq) FROM darl_events").fetchone()
     assert 0 < checkpoint <= last, (checkpoint, last)
-    time.sleep(3.0)  # longer than the running lease's TTL
+    time.sleep(5.0)  # longer than the running lease's TTL
     started = time.time()
     darl.restart()
     after = state(darl)
@@ -370,7 +372,7 @@ def test_sigkilled_coordinator_loses_nothing_and_renews_active_leases(
     assert renewed["consumed"] == 2  # the unsynced heartbeat survived the SIGKILL
     assert renewed["expires_at"] >= started + renewed["ttl_s"]  # the restart grace
     time.sleep(0.5)  # a tick or two: the renewed lease is not expired
-    beat = darl.client("snellius").heartbeat(running["lease_id"], "snellius", 4, 0.1)
+    beat = darl.client("snellius").heartbeat(running["lease_id"], "snellius", 4, 1.6)
     assert beat["lease"]["status"] == "active"
     last = delta_file(tmp_path, g0, seed=1, name="b")
     assert commit(darl, "snellius", running, last)["accepted"]
