@@ -118,32 +118,35 @@ class Control:
         """The global model of ``generation`` on local disk (older ones removed); the run
         folder keeps it too, for the workflow's merge jobs."""
         path = self.dir / "models" / f"global-{generation:06d}.safetensors"
-        if not path.exists():  # written atomically and digest-checked: here means whole
-            self.client.download_model(generation, path)
+        self.client.download_model(generation, path)  # one already here is not fetched again
         keep_global_model(path, self.s.work_dir.parent, generation)
         for old in path.parent.glob("global-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)
         return path
 
-    def lease(self, round_no: int, want: int, rtt: float, *, early: bool = False) -> dict | None:
+    def early_lease(self, round_no: int, want: int, rtt: float) -> tuple[dict, int] | None:
+        """A lease of the round after the open one (overlapped rounds), asked once, and the
+        global step the coordinator forecasts that round to start at; None when it has no
+        lease to give now."""
+        try:
+            reply = self.client.lease(self.site, round_no, want, None, rtt)
+        except Refused as exc:
+            if exc.status >= 500 or exc.status in (401, 403):
+                raise
+            log.info("%s no early lease: %s", site_prefix(self.site, round_no), exc.code)
+            return None
+        if reply["lease"] is None:
+            return None
+        return reply["lease"], int(reply["global_step"])
+
+    def lease(self, round_no: int, want: int, rtt: float) -> dict | None:
         """A lease of up to ``want`` blocks; None when no data turned up in time.
 
         Raises RoundClosed when the round closed first. A restarted job whose previous
         incarnation still holds a lease it cannot continue waits for that lease's TTL to
         return it to the pool (the crash costs exactly that lease), then leases anew.
-        ``early``: a lease of the round after the open one (overlapped rounds), asked once;
-        None when the coordinator has none to give now.
         """
-        if early:
-            try:
-                reply = self.client.lease(self.site, round_no, want, None, rtt)
-            except Refused as exc:
-                if exc.status >= 500 or exc.status in (401, 403):
-                    raise
-                log.info("%s no early lease: %s", site_prefix(self.site, round_no), exc.code)
-                return None
-            return reply["lease"]
         deadline = time.monotonic() + self.s.lease_wait_s
         delay = 0.5
         while True:

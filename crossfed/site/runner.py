@@ -223,8 +223,9 @@ class SiteRunner:
 
     def _prepare_early(self, round_no: int, inflight: InFlight) -> RoundStart | None:
         """Rank 0: lease the next round while the previous one is merged (None: no lease
-        now, so the phase waits for the merge). The phase trains from the site's own weights;
-        its generation, reference model and global step are known once the merge arrives."""
+        now, so the phase waits for the merge). The phase trains from the site's own weights,
+        from the global step the coordinator forecasts; its generation, reference model and
+        exact global step are known once the merge arrives."""
         prev = self._last_start
         assert self.control is not None
         if prev is None or round_no != inflight.round + 1 or self._sent is None:
@@ -234,16 +235,17 @@ class SiteRunner:
             self._inner_steps, inner.micro_batch, inner.ranks, inner.accumulation,
             self.s.block_size,
         )  # fmt: skip
-        lease = self.control.lease(round_no, want, prev.rtt_ms, early=True)
-        if lease is None:
+        granted = self.control.early_lease(round_no, want, prev.rtt_ms)
+        if granted is None:
             return None
+        lease, global_step = granted
         log.info(
             "%s early lease %d: %d blocks (asked %d) while round %d is merged",
             site_prefix(self.s.site, round_no), lease["lease_id"], lease["n_blocks"], want,
             inflight.round,
         )  # fmt: skip
         return replace(
-            prev, generation=-1, global_step=prev.global_step + self._inner_steps, lease=lease,
+            prev, generation=-1, global_step=global_step, lease=lease,
             model_path="", cursor=None, download_s=0.0, accumulation=inner.accumulation,
             early=True,
         )  # fmt: skip
@@ -399,7 +401,6 @@ class SiteRunner:
         try:
             state = self._train(round_no, fold, state, beat)
             start = fold.finish(state)
-            self._last_start = start  # the next early phase guesses its global step from it
             outcome = self._outcome(round_no, start, state)
             fold.account(outcome)
             if resumed_at:

@@ -41,8 +41,13 @@ def join(live: LiveCoordinator, site: str, data: Path) -> None:
     live.client(site).register(site, space_of(data).digest(), 1, 1.0)
 
 
+def early(live: LiveCoordinator, site: str, n: int, round_no: int = 2, t_step: float = 4.0):
+    """A lease request's whole reply, not only its lease (e.g. an early lease's forecast)."""
+    return live.client(site).lease(site, round_no, n, t_step, 1.0)
+
+
 def lease(live: LiveCoordinator, site: str, n: int, round_no: int = 1, t_step: float = 4.0):
-    return live.client(site).lease(site, round_no, n, t_step, 1.0)["lease"]
+    return early(live, site, n, round_no, t_step)["lease"]
 
 
 def commit(live, site, held, path, consumed=None, round_no=1, generation=0, steps=4, **kw) -> dict:
@@ -236,9 +241,6 @@ def test_forged_and_replayed_commits_are_refused_and_change_nothing(
 
 
 # ------------------------------------------------------------------ early leases
-def early(live: LiveCoordinator, site: str, n: int, round_no: int = 2, t_step: float = 4.0):
-    """An early lease (overlapped rounds): the whole reply, not only its lease."""
-    return live.client(site).lease(site, round_no, n, t_step, 1.0)
 
 
 def test_an_early_lease_of_the_next_round_trains_beside_the_open_one_and_commits_in_it(
