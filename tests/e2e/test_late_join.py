@@ -122,7 +122,12 @@ def test_a_late_site_skips_closed_rounds_and_trains_the_open_one(
             lease["site"] == "snellius" for lease in live.client().status()["active_leases"]
         ):
             leased_at.append(time.time())
-        return (results / "rounds" / str(LATE) / "train" / "snellius.json").exists()
+        # and the workflow planned the open round: lumi holds it open until then, so the
+        # plan job, however late a busy machine starts it, plans an open round
+        round_dir = results / "rounds" / str(LATE)
+        return (round_dir / "train" / "snellius.json").exists() and (
+            round_dir / "plan.json"
+        ).exists()
 
     try:
         wait_for(snellius_trains, 600, f"snellius's round-{LATE} record", [proc])
