@@ -9,6 +9,7 @@ import gc
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -434,7 +435,8 @@ def _add_run_routes(app: FastAPI, api: _Api, stats: StatusStats) -> None:
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
-        return {"ok": True, "run": coordinator.spec is not None}
+        """Liveness, and the serving process's id (so a launcher knows it reached its own)."""
+        return {"ok": True, "run": coordinator.spec is not None, "pid": os.getpid()}
 
     run_spec_schema, _ = _run_spec_schema()
 

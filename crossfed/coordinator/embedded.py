@@ -144,7 +144,12 @@ def launch_coordinator(
 def wait_until_serving(
     proc: subprocess.Popen, state_dir: Path, host: str, port: int, timeout_s: float
 ) -> None:
-    """Poll ``/v1/health`` until the coordinator answers; kill it if it never does."""
+    """Poll ``/v1/health`` until ``proc`` itself answers; kill it if it never does.
+
+    An answer from another process (one that took ``port`` while ``proc`` was starting, e.g. a
+    coordinator of a test running at the same time) is not taken for ``proc``'s: ``proc``
+    then fails to bind and exits, which raises ``EndpointError``.
+    """
     log_path = state_dir / "coordinator.log"
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout_s
@@ -153,9 +158,10 @@ def wait_until_serving(
             tail = log_path.read_text(errors="replace")[-2000:]
             raise EndpointError(f"coordinator exited with {proc.returncode}; {log_path}:\n{tail}")
         try:
-            if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
+            answer = httpx.get(f"{url}/v1/health", timeout=2)
+            if answer.status_code == 200 and answer.json().get("pid") == proc.pid:
                 return
-        except httpx.TransportError:
+        except (httpx.TransportError, ValueError):
             pass
         time.sleep(0.2)
     proc.kill()

@@ -11,9 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from crossfed.coordinator.embedded import (
+    EndpointError,
+    ensure_secrets,
+    launch_coordinator,
+    wait_until_serving,
+)
 from crossfed.coordinator.http_client import Refused
 from crossfed.darl.ledger import COMMITTED_TABLE
-from tests.conftest import LiveCoordinator, digest_of
+from tests.conftest import SITES, LiveCoordinator, digest_of, stop
 
 
 def global_model(live: LiveCoordinator, generation: int, tmp: Path) -> dict[str, torch.Tensor]:
@@ -100,6 +106,24 @@ def test_health_needs_no_token_but_everything_else_does(run: LiveCoordinator) ->
     assert response.status_code == 401
     response = httpx.get(f"{run.url}/v1/status", headers={"Authorization": "Bearer nope"})
     assert response.status_code == 401 and response.json()["error"] == "unauthenticated"
+
+
+def test_waiting_for_a_coordinator_does_not_take_another_one_on_its_port(
+    coordinator: LiveCoordinator, tmp_path: Path
+) -> None:
+    """A second coordinator launched on a port the first one serves (two tests that drew the
+    same free port): waiting for it fails once it cannot bind, though the port answers."""
+    state = tmp_path / "second"
+    state.mkdir()
+    ensure_secrets(state / "secrets.yaml", SITES)
+    second = launch_coordinator(state, state / "secrets.yaml", "127.0.0.1", coordinator.port)
+    try:
+        with pytest.raises(EndpointError, match="exited"):
+            wait_until_serving(second, state, "127.0.0.1", coordinator.port, 240)
+    finally:
+        stop(second)
+    health = httpx.get(f"{coordinator.url}/v1/health").json()
+    assert health["pid"] == coordinator.process.pid != second.pid
 
 
 def test_round_with_two_sites_merges_token_weighted(
