@@ -39,9 +39,13 @@ run: setup
 system-deps:
 	bash scripts/install-system-deps.sh
 
+# Unit tests on two workers (pytest-xdist; a file's tests stay on one worker), then the e2e
+# tests one at a time: they start whole workflows, Slurm clusters and Chromium.
 test: setup system-deps
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ruff check crossfed tests bench
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q --timeout 1800 --durations=30
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -n 2 --dist loadfile tests/unit \
+		--timeout 1800 --durations=30
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q tests/e2e --timeout 1800 --durations=30
 
 lint: setup
 	$(BIN)/ruff check crossfed tests bench
