@@ -59,6 +59,7 @@ MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
 ECHOES_PER_SITE = 4  # outstanding RTT nonces kept per site (a site may beat for two leases)
 PACE_LIVE_S = 3600.0  # sites seen within this long count towards the mean pace
 PACE_MAX_SCALE = 4.0  # a grant is at most this many times the requested phase
+TRIM_MARGIN_S = 1.0  # a cut straggler's lease keeps this many seconds of blocks more
 #: set to 1, the merge holds the lock that leases and heartbeats wait on from start to commit
 #: (how the coordinator merged before): for bench/heartbeat_merge.py's "before" figures only
 MERGE_HOLDS_LOCK_ENV = "CROSSFED_MERGE_HOLDS_LOCK"
@@ -136,6 +137,10 @@ class Coordinator:
         self._closing: int | None = None  # the round a merge is closing, outside the lock
         self._echoes: dict[str, dict[int, float]] = {}  # site -> {nonce: monotonic at reply}
         self._rtt_ms: dict[str, float] = {}  # RTT the coordinator measured per site (smoothed)
+        #: what each lease granted since this start asked for (its site's phase, in blocks)
+        self._phase_blocks: dict[int, int] = {}
+        #: blocks per second of compute per site, from the step times its heartbeats report
+        self._step_rates: dict[str, float] = {}
         spec = store.get_meta(self.conn, "spec")
         if spec is not None:
             self._load(RunSpec.from_dict(spec))
@@ -590,8 +595,9 @@ class Coordinator:
             ttl = self._ttl(site, t_step_s, rtt_ms)
             with lease_errors(409):
                 size = self.book.grant_size(
-                    site, n_blocks, now, live_s=PACE_LIVE_S, max_scale=PACE_MAX_SCALE
-                )
+                    site, n_blocks, now, live_s=PACE_LIVE_S, max_scale=PACE_MAX_SCALE,
+                    step_rates=self._step_rates,
+                )  # fmt: skip
                 with self._mutation():
                     args = {"site": site, "n_blocks": size, "now": now, "ttl_s": ttl}
                     lease = self._event(
@@ -602,6 +608,8 @@ class Coordinator:
                             "steal", {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
                         )
                     store.site_seen(self.conn, site, now, t_step_s=t_step_s, rtt_ms=rtt_ms)
+                    if lease is not None:
+                        self._phase_blocks[lease.lease_id] = n_blocks
                     if lease is not None and not early:
                         store.mark_first_lease(self.conn, round_no, now)
             step = current["global_step"]
@@ -646,12 +654,62 @@ class Coordinator:
                     },
                 )
                 store.site_seen(self.conn, site, now, t_step_s=t_step_s)
+                self._note_step_rate(site, lease_id, t_step_s)
+                keep = self._straggler_keep(lease, now)
+                if keep is not None:
+                    log.info(
+                        "round %d: %s's lease %d cut to %d of %d blocks: the sites that "
+                        "delivered train the next round already",
+                        lease.round_no, site, lease_id, keep, lease.n_blocks,
+                    )  # fmt: skip
+                    lease = self._event("trim", {"lease_id": lease_id, "keep": keep, "now": now})
             return {
                 "lease": self._lease_view(lease),
                 "round": self.current_round()["round_no"],
                 "echo": self._echo(site),
                 "rtt_ms": self._rtt_ms.get(site),
             }
+
+    def _note_step_rate(self, site: str, lease_id: int, t_step_s: float | None) -> None:
+        """The site's compute rate from a heartbeat's mean step time: the lease's phase (the
+        blocks it asked for, H steps' worth) over H steps. Grants are sized by it
+        (``LeaseBook.grant_size``): unlike a commit rate it leaves out uploads, merges and
+        waits, and it is known from a site's first steps on."""
+        blocks = self._phase_blocks.get(lease_id)
+        if not t_step_s or not blocks or self.spec is None:
+            return
+        self._step_rates[site] = blocks / (self.spec.inner_steps * t_step_s)
+
+    def _straggler_keep(self, lease: Lease, now: float) -> int | None:
+        """How many blocks to leave a straggler's lease (None: leave it as it is).
+
+        A lease of the open round is cut when sites that delivered to the round already
+        train the next one (overlapped rounds: they will wait for this round's merge after
+        their bounded lead) and it would end after the round's other leases: it keeps what
+        it can train by the time the last of them ends (now, if none is left), and the
+        blocks of ``TRIM_MARGIN_S`` more, plus the one in progress, so the site never
+        trains past the cut before it hears of it. Rates are the heartbeats' step rates;
+        without them nothing is cut. Plain rounds (no site ahead) are never cut.
+        """
+        assert self.book is not None
+        rate = self._step_rates.get(lease.site)
+        round_no = self.current_round()["round_no"]
+        if not rate or lease.round_no != round_no or self._closing is not None:
+            return None
+        active = self.book.active_leases()
+        ahead = {v.site for v in active if v.round_no == round_no + 1}
+        delivered = {d["site"] for d in store.round_deltas(self.conn, round_no)}
+        if not (ahead & delivered) - {lease.site}:
+            return None
+        others = [v for v in active if v.round_no == round_no and v.lease_id != lease.lease_id]
+        ends = [now]
+        for other in others:
+            other_rate = self._step_rates.get(other.site)
+            if not other_rate:
+                return None
+            ends.append(now + (other.n_blocks - other.consumed) / other_rate)
+        keep = lease.consumed + 1 + math.ceil(rate * (max(ends) - now + TRIM_MARGIN_S))
+        return keep if keep < lease.n_blocks else None
 
     def release(self, lease_id: int, site: str) -> dict[str, Any]:
         with self.lock:

@@ -13,15 +13,18 @@ steal for round r is refused (`already_holding`) while the site holds a lease of
 later, or holds two. A steal never takes from the thief's own other lease.
 
 Per-site accounting (paper Table 3): steals move the stolen tail from the victim's
-`blocks_granted` to the thief's, so for every site
+`blocks_granted` to the thief's, a trim (`LeaseBook.trim`: a straggler's lease cut, its tail
+pooled) takes the cut tail out of it, so for every site
 `blocks_granted == blocks_committed + blocks_lost + blocks held in its active leases`, where
 `blocks_lost` counts every granted block that went back to the pool uncommitted (TTL expiry,
 clean release, or the untrained rest of a commit).
 
-Grant sizing (`LeaseBook.grant_size`): a site's measured commit rate is the blocks it
-committed over the seconds its leases were held (grant to commit), over its last
-`RATE_WINDOW` commits. Its grant is its requested phase scaled by how fast it works through a
-phase relative to the mean of the live sites, so every site's lease takes about the same wall
+Grant sizing (`LeaseBook.grant_size`): a site's rate is the blocks per second its measured
+step times show (the coordinator passes them in: compute alone, known from a site's first
+steps, so the second round is already sized), else its commit rate: the blocks it committed
+over the seconds its leases were held (grant to commit), over its last `RATE_WINDOW`
+commits. Its grant is its requested phase scaled by how fast it works through a phase
+relative to the mean of the live sites, so every site's lease takes about the same wall
 time: fast sites are not starved and slow ones do not hoard (see `proportional_grant`).
 """
 
@@ -31,6 +34,7 @@ import dataclasses
 import heapq
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -256,15 +260,18 @@ class LeaseBook:
         *,
         live_s: float = 3600.0,
         max_scale: float = 4.0,
+        step_rates: Mapping[str, float] | None = None,
     ) -> int:
-        """Blocks to grant a site that asks for `requested` (its inner phase), by commit rate.
+        """Blocks to grant a site that asks for `requested` (its inner phase), by its rate.
 
-        A site's pace is its commit rate over its last requested size: inner phases per
+        A site's rate is the blocks per second of compute its step times show
+        (`step_rates`, measured by the sites as they train) or, for a site without one, its
+        commit rate. Its pace is that rate over its last requested size: inner phases per
         second. The grant is `requested * pace / mean pace`, the mean taken over the sites
-        seen within `live_s` that have a measured rate, rounded half up and kept in
-        [1, max_scale * requested]. With equal requests that is proportional to the commit
-        rate; in general every site's lease then lasts about 1 / mean pace seconds. A site
-        without a measured rate gets what it asked for.
+        seen within `live_s` that have a rate, rounded half up and kept in
+        [1, max_scale * requested]. With equal requests that is proportional to the rate; in
+        general every site's lease then lasts about 1 / mean pace seconds. A site without a
+        rate gets what it asked for.
         """
         self._site(site)
         requested = _count("requested", requested, 1)
@@ -272,12 +279,20 @@ class LeaseBook:
         live_s = _finite("live_s", live_s, positive=True)
         max_scale = _finite("max_scale", max_scale, positive=True)
         hi = max(1, math.floor(max_scale * requested))
-        rate = self.commit_rate(site)
+        step_rates = step_rates or {}
+
+        def rate_of(name: str) -> float | None:
+            measured = step_rates.get(name)
+            if measured is not None and math.isfinite(measured) and measured > 0:
+                return float(measured)
+            return self.commit_rate(name)
+
+        rate = rate_of(site)
         if rate is None:
             return min(requested, hi)
         paces = []
-        for other in self._rates:
-            other_rate = self.commit_rate(other)
+        for other in sorted(set(self._rates) | set(step_rates)):
+            other_rate = rate_of(other) if other in self._stats else None
             if other == site or other_rate is None:
                 continue
             if now - self._seen.get(other, -math.inf) > live_s:
@@ -344,6 +359,28 @@ class LeaseBook:
         lease.expires_at = now + lease.ttl_s
         self._push_expiry(lease)
         self._seen[site] = now
+        return dataclasses.replace(lease)
+
+    def trim(self, lease_id: int, keep: int, now: float) -> Lease:
+        """Cut a live lease to its first `keep` blocks and pool the rest (a straggler's lease
+        cut so its round closes when the others' do; the coordinator decides when).
+
+        `keep` must leave the consumed blocks and the one in progress (`consumed + 1`) and
+        be less than the lease; the site sees the shorter lease on its heartbeat and stops
+        before the cut, as after a steal. The cut blocks leave the site's `blocks_granted`.
+        """
+        lease = self._get(lease_id)
+        lease = self._live(lease_id, lease.site, now)
+        keep = _count("keep", keep)
+        if not lease.consumed < keep < lease.n_blocks:
+            raise LeaseError(
+                "bad_trim",
+                f"lease {lease_id}: keep {keep} outside ({lease.consumed}, {lease.n_blocks})",
+            )
+        cut = lease.start + keep
+        self._return(cut, lease.end)
+        self._stats[lease.site].blocks_granted -= lease.end - cut
+        lease.end = cut
         return dataclasses.replace(lease)
 
     def steal(self, site: str, now: float, ttl_s: float, round_no: int) -> Lease | None:

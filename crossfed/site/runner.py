@@ -549,6 +549,7 @@ class SiteRunner:
         progress = _Progress(self, round_no, state.tokens, len(windows), start.lease)
         fold.limit(progress.steps)
         done = [state.windows]
+        timed = [0, 0.0]  # this job's steps of the phase and their compute seconds
 
         def limit() -> int:
             allowed = 0 if beat.lost is not None else sum(sizes[: beat.allowed_blocks])
@@ -560,7 +561,8 @@ class SiteRunner:
             crash_point("site_after_step", f"{self.s.site}:{round_no}")  # tests only
             done[0] = info.windows_done
             beat.consumed = max(beat.consumed, self._blocks_covered(start.lease, done[0]))
-            beat.t_step_s = info.step_s
+            timed[0], timed[1] = timed[0] + 1, timed[1] + info.step_s
+            beat.t_step_s = timed[1] / timed[0]  # the mean: grants are sized by it
             progress.step(info, beat)
 
         state = run_inner_phase(

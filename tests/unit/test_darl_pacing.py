@@ -57,6 +57,23 @@ def test_grants_follow_commit_rates_and_equalise_lease_time():
     assert book.grant_size("new", 10, 11.0) == 10  # no rate yet: what it asked for
 
 
+def test_step_rates_size_grants_before_any_commit_and_outrank_commit_rates():
+    book = book_with("fast", "slow")
+    book.grant("fast", 10, 0.0, TTL, 1)
+    book.grant("slow", 10, 0.0, TTL, 1)
+    # no commit yet: the step times alone (blocks per second of compute) size round 2
+    rates = {"fast": 5.0, "slow": 1.0}
+    assert book.grant_size("fast", 10, 1.0, step_rates=rates) == 17
+    assert book.grant_size("slow", 10, 1.0, step_rates=rates) == 3
+    # a commit rate that counts waiting and uploads gives way to the step rate
+    lease = book.grant("fast", 10, 1.0, TTL, 2)
+    book.commit(lease.lease_id, "fast", 10, 10.5)  # about 1 block/s of lease time
+    assert book.grant_size("fast", 10, 12.0) == 10  # by commit rate: the only one
+    assert book.grant_size("fast", 10, 12.0, step_rates=rates) == 17
+    # a step rate that is no rate falls back to the commit rate (about 1 block/s: equal)
+    assert book.grant_size("slow", 10, 12.0, step_rates={"slow": 1.0, "fast": -1.0}) == 10
+
+
 def test_sizing_compares_paces_so_bigger_sites_are_not_counted_twice():
     book = book_with("big", "small")
     work(book, "big", 40, 0.0, 4.0)  # four times the ranks: asks 40, commits 10 blocks/s
