@@ -59,7 +59,6 @@ MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
 ECHOES_PER_SITE = 4  # outstanding RTT nonces kept per site (a site may beat for two leases)
 PACE_LIVE_S = 3600.0  # sites seen within this long count towards the mean pace
 PACE_MAX_SCALE = 4.0  # a grant is at most this many times the requested phase
-TRIM_MARGIN_S = 1.0  # a cut straggler's lease keeps this many seconds of blocks more
 #: set to 1, the merge holds the lock that leases and heartbeats wait on from start to commit
 #: (how the coordinator merged before): for bench/heartbeat_merge.py's "before" figures only
 MERGE_HOLDS_LOCK_ENV = "CROSSFED_MERGE_HOLDS_LOCK"
@@ -655,14 +654,6 @@ class Coordinator:
                 )
                 store.site_seen(self.conn, site, now, t_step_s=t_step_s)
                 self._note_step_rate(site, lease_id, t_step_s)
-                keep = self._straggler_keep(lease, now)
-                if keep is not None:
-                    log.info(
-                        "round %d: %s's lease %d cut to %d of %d blocks: the sites that "
-                        "delivered train the next round already",
-                        lease.round_no, site, lease_id, keep, lease.n_blocks,
-                    )  # fmt: skip
-                    lease = self._event("trim", {"lease_id": lease_id, "keep": keep, "now": now})
             return {
                 "lease": self._lease_view(lease),
                 "round": self.current_round()["round_no"],
@@ -679,37 +670,6 @@ class Coordinator:
         if not t_step_s or not blocks or self.spec is None:
             return
         self._step_rates[site] = blocks / (self.spec.inner_steps * t_step_s)
-
-    def _straggler_keep(self, lease: Lease, now: float) -> int | None:
-        """How many blocks to leave a straggler's lease (None: leave it as it is).
-
-        A lease of the open round is cut when sites that delivered to the round already
-        train the next one (overlapped rounds: they will wait for this round's merge after
-        their bounded lead) and it would end after the round's other leases: it keeps what
-        it can train by the time the last of them ends (now, if none is left), and the
-        blocks of ``TRIM_MARGIN_S`` more, plus the one in progress, so the site never
-        trains past the cut before it hears of it. Rates are the heartbeats' step rates;
-        without them nothing is cut. Plain rounds (no site ahead) are never cut.
-        """
-        assert self.book is not None
-        rate = self._step_rates.get(lease.site)
-        round_no = self.current_round()["round_no"]
-        if not rate or lease.round_no != round_no or self._closing is not None:
-            return None
-        active = self.book.active_leases()
-        ahead = {v.site for v in active if v.round_no == round_no + 1}
-        delivered = {d["site"] for d in store.round_deltas(self.conn, round_no)}
-        if not (ahead & delivered) - {lease.site}:
-            return None
-        others = [v for v in active if v.round_no == round_no and v.lease_id != lease.lease_id]
-        ends = [now]
-        for other in others:
-            other_rate = self._step_rates.get(other.site)
-            if not other_rate:
-                return None
-            ends.append(now + (other.n_blocks - other.consumed) / other_rate)
-        keep = lease.consumed + 1 + math.ceil(rate * (max(ends) - now + TRIM_MARGIN_S))
-        return keep if keep < lease.n_blocks else None
 
     def release(self, lease_id: int, site: str) -> dict[str, Any]:
         with self.lock:

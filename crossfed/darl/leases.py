@@ -13,8 +13,7 @@ steal for round r is refused (`already_holding`) while the site holds a lease of
 later, or holds two. A steal never takes from the thief's own other lease.
 
 Per-site accounting (paper Table 3): steals move the stolen tail from the victim's
-`blocks_granted` to the thief's, a trim (`LeaseBook.trim`: a straggler's lease cut, its tail
-pooled) takes the cut tail out of it, so for every site
+`blocks_granted` to the thief's, so for every site
 `blocks_granted == blocks_committed + blocks_lost + blocks held in its active leases`, where
 `blocks_lost` counts every granted block that went back to the pool uncommitted (TTL expiry,
 clean release, or the untrained rest of a commit).
@@ -359,28 +358,6 @@ class LeaseBook:
         lease.expires_at = now + lease.ttl_s
         self._push_expiry(lease)
         self._seen[site] = now
-        return dataclasses.replace(lease)
-
-    def trim(self, lease_id: int, keep: int, now: float) -> Lease:
-        """Cut a live lease to its first `keep` blocks and pool the rest (a straggler's lease
-        cut so its round closes when the others' do; the coordinator decides when).
-
-        `keep` must leave the consumed blocks and the one in progress (`consumed + 1`) and
-        be less than the lease; the site sees the shorter lease on its heartbeat and stops
-        before the cut, as after a steal. The cut blocks leave the site's `blocks_granted`.
-        """
-        lease = self._get(lease_id)
-        lease = self._live(lease_id, lease.site, now)
-        keep = _count("keep", keep)
-        if not lease.consumed < keep < lease.n_blocks:
-            raise LeaseError(
-                "bad_trim",
-                f"lease {lease_id}: keep {keep} outside ({lease.consumed}, {lease.n_blocks})",
-            )
-        cut = lease.start + keep
-        self._return(cut, lease.end)
-        self._stats[lease.site].blocks_granted -= lease.end - cut
-        lease.end = cut
         return dataclasses.replace(lease)
 
     def steal(self, site: str, now: float, ttl_s: float, round_no: int) -> Lease | None:

@@ -65,7 +65,6 @@ OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ("requested",)),
     "heartbeat": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
     "steal": (("site", "now", "ttl_s", "round_no"), ()),
-    "trim": (("lease_id", "keep", "now"), ()),
     "commit": (("lease_id", "site", "consumed", "now"), ()),
     "release": (("lease_id", "site", "now"), ()),
     "expire": (("now",), ()),
@@ -113,8 +112,6 @@ def apply_event(book: LeaseBook, op: str, args: Mapping[str, object]) -> object:
         return book.heartbeat(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))
     if op == "steal":
         return book.steal(a["site"], a["now"], a["ttl_s"], a["round_no"])
-    if op == "trim":
-        return book.trim(a["lease_id"], a["keep"], a["now"])
     if op == "commit":
         return book.commit(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("idle_s", 0.0))
     if op == "release":

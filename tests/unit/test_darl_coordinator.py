@@ -190,34 +190,6 @@ def test_the_second_round_is_sized_from_the_first_rounds_step_times(
     assert early(darl, "lumi", 2)["lease"]["n_blocks"] == 1
 
 
-def test_a_straggler_is_cut_only_once_a_delivered_site_trains_the_next_round(
-    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
-) -> None:
-    g0 = global_model(darl, 0, tmp_path)
-    join(darl, "snellius", tiny_data)
-    join(darl, "lumi", tiny_data)
-    fast, slow = lease(darl, "snellius", 2), lease(darl, "lumi", 8)
-    darl.client("snellius").heartbeat(fast["lease_id"], "snellius", 2, 0.1)
-    assert commit(darl, "snellius", fast, delta_file(tmp_path, g0, name="a"))["accepted"]
-    lumi = darl.client("lumi")
-    # plain rounds: snellius waits for round 2 to open, so nobody is cut
-    assert lumi.heartbeat(slow["lease_id"], "lumi", 1, 10.0)["lease"]["n_blocks"] == 8
-    # overlapped: snellius trains round 2 already; lumi's 7 blocks left would take 35 s at
-    # 0.2 blocks/s (8 blocks for H = 4 steps of 10 s), so it keeps the one in progress and
-    # one second's worth: 1 + 1 + ceil(0.2 * 1.0) = 3
-    assert early(darl, "snellius", 2)["lease"] is not None
-    cut = lumi.heartbeat(slow["lease_id"], "lumi", 1, 10.0)["lease"]
-    assert cut["n_blocks"] == 3 and cut["blocks"] == slow["blocks"][:3]
-    done = commit(darl, "lumi", cut, delta_file(tmp_path, g0, seed=1, name="b"))
-    assert done["accepted"] and done["committed"] == 3 and done["returned"] == 0
-    wait_round_closed(darl, 1)
-    table = ledger(darl)
-    assert table["lumi"]["blocks_granted"] == 3 and table["lumi"]["blocks_lost"] == 0
-    # exactly the trained blocks are committed; the cut ones are left for later leases
-    assert {block for _, block, _, _ in audit(darl)} == set(fast["blocks"]) | set(cut["blocks"])
-    assert darl.client().status()["blocks_committed_in_epoch"] == 5
-
-
 # ------------------------------------------------------------------ forged and replayed
 def test_forged_and_replayed_commits_are_refused_and_change_nothing(
     darl: LiveCoordinator, tiny_data: Path, tmp_path: Path

@@ -336,10 +336,6 @@ class LeaseModel(RuleBasedStateMachine):
         for key, d in deltas.items():
             self.stats[site][key] += d
 
-    def untrained(self):
-        """Active leases with blocks not yet trained."""
-        return sorted(i for i, v in self.leases.items() if v["end"] - v["start"] > v["consumed"])
-
     def live_sites(self):
         return sorted(s for s in self.stats if s not in self.crashed)
 
@@ -518,28 +514,6 @@ class LeaseModel(RuleBasedStateMachine):
         )
         self.bump(victim["site"], granted=-tail)
         self.bump(site, grants=1, granted=tail)
-
-    @rule(data=st.data())
-    @precondition(lambda self: self.untrained())
-    def trim(self, data):
-        """The coordinator cuts a straggler's lease: the tail goes back to the pool."""
-        ids = self.untrained()
-        lease_id = data.draw(st.sampled_from(ids))
-        lease = self.leases[lease_id]
-        size = lease["end"] - lease["start"]
-        args = dict(lease_id=lease_id, now=self.now)
-        if self.now >= lease["expires_at"]:
-            return self.refused("expired", "trim", keep=size - 1, **args)
-        for bad in (lease["consumed"], size):  # the trained blocks and the whole lease stay
-            self.refused("bad_trim", "trim", keep=bad, **args)
-        if size - lease["consumed"] < 2:
-            return
-        keep = data.draw(st.integers(lease["consumed"] + 1, size - 1))
-        got = self.do("trim", keep=keep, **args)
-        assert (got.start, got.end) == (lease["start"], lease["start"] + keep)
-        self.pool |= set(range(lease["start"] + keep, lease["end"]))
-        self.bump(lease["site"], granted=-(size - keep))
-        lease["end"] = lease["start"] + keep
 
     @rule(data=st.data(), full=st.booleans())
     @precondition(lambda self: any(v["site"] not in self.crashed for v in self.leases.values()))
