@@ -100,7 +100,7 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
         assert all(o.status == "accepted" for o in outcomes[name].values()), outcomes[name]
     ahead = outcomes["snellius"][2]
     # round 2 was leased while round 1 waited for frontier: the merge had not arrived when
-    # a tenth of its 4 steps, rounded up, were done (overlap.max_stale), so it waited (idle)
+    # a quarter of its 4 steps, rounded up, were done (overlap.max_stale), so it waited (idle)
     # there, folded the merged model in after step 1 and trained the other three from it
     assert ahead.merge_wait_s > 0 and ahead.fold_step == 1 and ahead.steps == 4
     assert ahead.generation == client.round_info(2)["generation"]  # measured against g+1
