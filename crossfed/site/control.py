@@ -196,6 +196,19 @@ class Control:
             raise checkpoint.CheckpointError(
                 f"lease {lease['lease_id']}: blocks differ from the checkpoint's record"
             )
+        held = sum(len(self.space.block_windows(block)) for block in lease["blocks"])
+        if cursor.phase.windows > held:
+            # a steal took blocks this checkpoint had already trained (it raced the step
+            # loop): its delta would claim more than the lease holds and be refused, on
+            # every retry. The lease is lost (the one the paper allows): its blocks go back
+            # to the pool now, and the round is trained anew.
+            log.info(
+                "%s lease %d: the checkpoint trained %d windows, the lease holds %d after a "
+                "steal; releasing it and training anew",
+                here, lease["lease_id"], cursor.phase.windows, held,
+            )  # fmt: skip
+            self.release(lease["lease_id"])
+            return None
         return lease
 
     def heartbeat(self, lease: dict) -> Heartbeat:

@@ -19,9 +19,11 @@ import yaml
 
 from crossfed.config import load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
+from crossfed.darl.blockspace import BlockSpace
 from crossfed.site import SiteRunner, block_end, out_of_time
 from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
+from crossfed.train.windows import read_meta
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 
 
@@ -184,6 +186,49 @@ def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_r
     assert outcome.steps == 4 and outcome.windows == 32 and outcome.blocks_committed == 4
     row = ledger_row(coordinator, "lumi")
     assert row["grants"] == 1 and row["blocks_committed"] == 4 and row["blocks_lost"] == 0
+
+
+def test_a_checkpoint_that_trained_past_a_steal_is_dropped_not_sent_again_and_again(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A steal that races the step loop takes blocks a checkpoint has already trained: the
+    restarted job releases that lease and trains the round anew, instead of sending a delta
+    that claims more than the lease holds (refused as implausible on every retry)."""
+    init(coordinator, tiny_data)
+    path = site_config(tmp_path, coordinator, tiny_data)
+    data = yaml.safe_load(path.read_text())
+    data["darl"]["heartbeat_s"] = 120.0  # the coordinator hears of no progress: stealable
+    config = load_run_config(write_yaml(path, data))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+
+    class Killed(Exception):
+        pass
+
+    def die(self, pending) -> None:
+        raise Killed
+
+    with monkeypatch.context() as patch:  # killed between its final checkpoint and its delta
+        patch.setattr(SiteRunner, "_write_pending", die)
+        with pytest.raises(Killed):
+            SiteRunner(settings, coordinator.client("lumi")).run_round(1)
+    cursor = checkpoint.latest(settings.work_dir / "lumi" / "state")
+    assert cursor is not None and cursor["status"] == "done" and cursor["windows"] == 32
+    # snellius drains the pool (its lease all but trained), so frontier steals from lumi's
+    space = BlockSpace(read_meta(tiny_data)["n_windows"], 8, 7)
+    for name in ("snellius", "frontier"):
+        coordinator.client(name).register(name, space.digest(), 1, 1.0)
+    snellius = coordinator.client("snellius")
+    drain = snellius.lease("snellius", 1, space.n_blocks, 4.0, 1.0)["lease"]
+    snellius.heartbeat(drain["lease_id"], "snellius", drain["n_blocks"] - 1, 4.0)
+    stolen = coordinator.client("frontier").lease("frontier", 1, 1, 4.0, 1.0)["lease"]
+    assert stolen["blocks"] == cursor["blocks"][2:]  # lumi keeps 2 of its 4 blocks
+
+    outcome = SiteRunner(settings, coordinator.client("lumi")).run_round(1)  # the restart
+    assert outcome.status == "accepted", outcome.detail
+    assert outcome.lease_id != cursor["lease_id"] and "resumed_at_window" not in outcome.extra
+    assert outcome.windows == 16 and outcome.blocks_committed == 2  # the 2 it gave back
+    row = ledger_row(coordinator, "lumi")
+    assert row["grants"] == 2 and row["blocks_committed"] == 2 and row["blocks_lost"] == 2
 
 
 def test_a_round_takes_the_plans_accumulation_and_a_resumed_phase_keeps_its_own(
