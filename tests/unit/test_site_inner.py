@@ -150,15 +150,15 @@ def test_a_torchrun_site_trains_with_two_real_ranks(
     assert ledger_row(coordinator, "lumi")["blocks_committed"] == 4
 
 
-def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_retraining(
-    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
-) -> None:
-    init(coordinator, tiny_data)
-    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
-    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+class Killed(Exception):
+    """Stands in for a SIGKILL between a site's final checkpoint and its delta."""
 
-    class Killed(Exception):
-        pass
+
+def killed_before_its_delta(
+    settings, live: LiveCoordinator, monkeypatch, accumulation: int | None = None
+) -> dict:
+    """Run lumi's round 1 until its final checkpoint, die before the delta is written, and
+    return the checkpoint's cursor."""
 
     def die(self, pending) -> None:
         raise Killed
@@ -166,8 +166,20 @@ def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_r
     with monkeypatch.context() as patch:
         patch.setattr(SiteRunner, "_write_pending", die)
         with pytest.raises(Killed):
-            SiteRunner(settings, coordinator.client("lumi")).run_round(1)
+            SiteRunner(settings, live.client("lumi")).run_round(1, accumulation=accumulation)
     cursor = checkpoint.latest(settings.work_dir / "lumi" / "state")
+    assert cursor is not None and cursor["status"] == "done"
+    return cursor
+
+
+def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_retraining(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
+) -> None:
+    init(coordinator, tiny_data)
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+
+    cursor = killed_before_its_delta(settings, coordinator, monkeypatch)
     assert cursor is not None and cursor["status"] == "done" and cursor["windows"] == 32
 
     trained = []
@@ -201,17 +213,7 @@ def test_a_checkpoint_that_trained_past_a_steal_is_dropped_not_sent_again_and_ag
     config = load_run_config(write_yaml(path, data))
     settings = site_settings(config, "lumi", load_sites(config)["lumi"])
 
-    class Killed(Exception):
-        pass
-
-    def die(self, pending) -> None:
-        raise Killed
-
-    with monkeypatch.context() as patch:  # killed between its final checkpoint and its delta
-        patch.setattr(SiteRunner, "_write_pending", die)
-        with pytest.raises(Killed):
-            SiteRunner(settings, coordinator.client("lumi")).run_round(1)
-    cursor = checkpoint.latest(settings.work_dir / "lumi" / "state")
+    cursor = killed_before_its_delta(settings, coordinator, monkeypatch)
     assert cursor is not None and cursor["status"] == "done" and cursor["windows"] == 32
     # snellius drains the pool (its lease all but trained), so frontier steals from lumi's
     space = BlockSpace(read_meta(tiny_data)["n_windows"], 8, 7)
@@ -239,17 +241,7 @@ def test_a_round_takes_the_plans_accumulation_and_a_resumed_phase_keeps_its_own(
     settings = site_settings(config, "lumi", load_sites(config)["lumi"])
     assert settings.inner.accumulation == 1
 
-    class Killed(Exception):
-        pass
-
-    def die(self, pending) -> None:
-        raise Killed
-
-    with monkeypatch.context() as patch:  # the job dies before its delta is sent
-        patch.setattr(SiteRunner, "_write_pending", die)
-        with pytest.raises(Killed):
-            SiteRunner(settings, coordinator.client("lumi")).run_round(1, accumulation=2)
-    cursor = checkpoint.latest(settings.work_dir / "lumi" / "state")
+    cursor = killed_before_its_delta(settings, coordinator, monkeypatch, accumulation=2)
     # H=4 steps of W*A*B = 2*2*4 windows: the plan's A=2 sized the lease and the phase
     assert cursor is not None and cursor["accumulation"] == 2 and cursor["windows"] == 64
     # the retried job reads a newer plan (A=3): the phase it resumes keeps A=2
