@@ -765,6 +765,7 @@ class Coordinator:
         assert self.book is not None and self.space is not None
         now = self.clock()
         site, lease_id, consumed = delta["site"], delta["lease_id"], delta["consumed"]
+        self._phase_blocks.pop(lease_id, None)  # committed: no more heartbeats to rate
         try:
             with lease_errors(409), self._mutation():
                 args = {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now}
