@@ -23,10 +23,14 @@ def close_decision(
     active_leases: int,
     announced: int,
     policy: RoundPolicy,
+    sites_left: int | None = None,
 ) -> str | None:
     """Why the round should close now, or None to keep it open.
 
     - No accepted delta: the round stays open whatever the time (zero live sites is normal).
+    - Every site of the run delivered (``sites_left`` 0: no site without a delta for the
+      round) and no lease of the round is active: close at once ("all_in"); nobody is left
+      to join, so the join window does not apply.
     - Within ``join_window_s`` of the round's first lease, late starters may still join.
     - A site that registered for this round but has not leased yet ("announced", counted by
       the caller only within ``join_window_s`` of its registration) keeps the round open.
@@ -37,6 +41,8 @@ def close_decision(
     """
     if deltas == 0:
         return None
+    if sites_left == 0 and active_leases == 0:
+        return "all_in"
     start = first_lease_at if first_lease_at is not None else opened_at
     if now - start < policy.join_window_s:
         return None
