@@ -57,7 +57,8 @@ def tiny_spec(data_dir: Path, **overrides) -> RunSpec:
         inner_steps=4,
         sites={name: 1 for name in SITES},
         rounds=RoundPolicy(join_window_s=0.5, deadline_s=600),
-        leases=LeasePolicy(min_ttl_s=2.0, initial_ttl_s=60.0),
+        # leases as asked: the tests that pin a first lease's size; the probe has its own
+        leases=LeasePolicy(min_ttl_s=2.0, initial_ttl_s=60.0, probe_share=1.0),
     )
     fields.update(overrides)
     return RunSpec(**fields)

@@ -29,12 +29,19 @@ class RoundPolicy:
 
 @dataclass(frozen=True)
 class LeasePolicy:
-    """DARL lease sizing and TTL: TTL = max(min_ttl_s, alpha*t_step + beta_rtt*RTT)."""
+    """DARL lease sizing and TTL: TTL = max(min_ttl_s, alpha*t_step + beta_rtt*RTT).
+
+    ``probe_share``: in a run of several sites, a site whose pace is not known yet (no step
+    time, no commit: the first round, a late joiner) is granted this share of its phase, a
+    short probe, so a lease sized blind never holds its round while faster sites wait;
+    1.0 grants the phase whole (``LeaseBook.grant_size``).
+    """
 
     alpha: float = 2.5
     beta_rtt: float = 2.0
     min_ttl_s: float = 10.0
     initial_ttl_s: float = 60.0
+    probe_share: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,9 @@ class RunSpec:
             raise RunSpecError("inner_steps (H) must be >= 1")
         if not spec.sites:
             raise RunSpecError("a run needs at least one site")
+        share = spec.leases.probe_share
+        if not 0.0 < share <= 1.0:
+            raise RunSpecError(f"leases.probe_share must be in (0, 1], got {share}")
         problem = flavour_error(spec.flavour)
         if problem:
             raise RunSpecError(f"flavour: {problem}")
@@ -169,5 +179,6 @@ def run_spec(config: dict[str, Any], sites: Mapping[str, SiteConfig]) -> RunSpec
             beta_rtt=config["darl"]["beta_rtt"],
             min_ttl_s=config["darl"]["min_ttl_s"],
             initial_ttl_s=config["darl"]["initial_ttl_s"],
+            probe_share=config["darl"]["probe_share"],
         ),
     )

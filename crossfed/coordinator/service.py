@@ -551,8 +551,9 @@ class Coordinator:
     ) -> dict[str, Any]:
         """Grant a span of blocks for ``round_no`` (or steal one when the pool is dry).
 
-        ``n_blocks`` is the site's inner phase; the grant is sized by its measured commit
-        rate (``LeaseBook.grant_size``), so it may be larger or smaller.
+        ``n_blocks`` is the site's inner phase; the grant is sized by its measured step or
+        commit rate (``LeaseBook.grant_size``), so it may be larger or smaller: in a run of
+        several sites, a site with neither rate yet gets a probe, ``leases.probe_share`` of it.
 
         ``round_no`` is the current round or, as an *early lease* (overlapped rounds), the
         next one: the round after the open one, or after the one being merged. An early
@@ -596,6 +597,7 @@ class Coordinator:
                 size = self.book.grant_size(
                     site, n_blocks, now, live_s=PACE_LIVE_S, max_scale=PACE_MAX_SCALE,
                     step_rates=self._step_rates,
+                    probe_share=spec.leases.probe_share if len(spec.sites) > 1 else 1.0,
                 )  # fmt: skip
                 with self._mutation():
                     args = {"site": site, "n_blocks": size, "now": now, "ttl_s": ttl}
@@ -954,6 +956,7 @@ class Coordinator:
                 active_leases=len(active),
                 announced=max(0, announced),
                 policy=self.spec.rounds,
+                sites_left=len(set(self.spec.sites) - {d["site"] for d in deltas}),
             )
             if reason is None:
                 return None

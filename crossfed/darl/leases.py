@@ -260,6 +260,7 @@ class LeaseBook:
         live_s: float = 3600.0,
         max_scale: float = 4.0,
         step_rates: Mapping[str, float] | None = None,
+        probe_share: float = 1.0,
     ) -> int:
         """Blocks to grant a site that asks for `requested` (its inner phase), by its rate.
 
@@ -270,13 +271,17 @@ class LeaseBook:
         seen within `live_s` that have a rate, rounded half up and kept in
         [1, max_scale * requested]. With equal requests that is proportional to the rate; in
         general every site's lease then lasts about 1 / mean pace seconds. A site without a
-        rate gets what it asked for.
+        rate gets a probe: `probe_share` of what it asked for (rounded half up, at least one
+        block; 1.0, the default, grants the request whole).
         """
         self._site(site)
         requested = _count("requested", requested, 1)
         now = _finite("now", now)
         live_s = _finite("live_s", live_s, positive=True)
         max_scale = _finite("max_scale", max_scale, positive=True)
+        probe_share = _finite("probe_share", probe_share, positive=True)
+        if probe_share > 1.0:
+            raise LeaseError("bad_argument", f"probe_share must be in (0, 1], got {probe_share!r}")
         hi = max(1, math.floor(max_scale * requested))
         step_rates = step_rates or {}
 
@@ -288,7 +293,7 @@ class LeaseBook:
 
         rate = rate_of(site)
         if rate is None:
-            return min(requested, hi)
+            return min(max(1, math.floor(probe_share * requested + 0.5)), hi)
         paces = []
         for other in sorted(set(self._rates) | set(step_rates)):
             other_rate = rate_of(other) if other in self._stats else None

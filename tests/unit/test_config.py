@@ -90,6 +90,20 @@ def test_run_spec_refuses_an_unknown_flavour(tiny_data: Path) -> None:
         RunSpec.from_dict({**spec, "flavour": "0.6b"})
 
 
+def test_run_spec_refuses_a_probe_share_outside_zero_to_one(tiny_data: Path) -> None:
+    spec = tiny_spec(tiny_data).to_dict()
+    for good in (0.25, 1.0):
+        spec["leases"]["probe_share"] = good
+        assert RunSpec.from_dict(spec).leases.probe_share == good
+    for bad in (0.0, -0.1, 1.5):
+        spec["leases"]["probe_share"] = bad
+        with pytest.raises(RunSpecError, match=r"probe_share must be in \(0, 1\]"):
+            RunSpec.from_dict(spec)
+    old = tiny_spec(tiny_data).to_dict()
+    del old["leases"]["probe_share"]  # a run stored before the field existed
+    assert RunSpec.from_dict(old).leases.probe_share == 0.25
+
+
 def test_the_coordinator_answers_a_bad_flavour_with_422_and_the_reason(
     coordinator: LiveCoordinator, tiny_data: Path
 ) -> None:

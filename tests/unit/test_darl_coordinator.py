@@ -3,6 +3,7 @@ commits, a SIGKILLed coordinator, and site processes killed around their checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sqlite3
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from crossfed.coordinator.http_client import Refused
+from crossfed.coordinator.runspec import RoundPolicy
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.ledger import COMMITTED_TABLE
 from crossfed.train.windows import read_meta
@@ -188,6 +190,55 @@ def test_the_second_round_is_sized_from_the_first_rounds_step_times(
     # paces 1 / (H * t_step): snellius 4x lumi; grants 2 * 4 / 2.5 and 2 * 1 / 2.5
     assert early(darl, "snellius", 2)["lease"]["n_blocks"] == 3
     assert early(darl, "lumi", 2)["lease"]["n_blocks"] == 1
+
+
+def test_a_site_of_unknown_pace_leases_a_probe_then_its_paced_share(
+    coordinator: LiveCoordinator, tiny_data: Path
+) -> None:
+    """Round 1 is sized blind: a quarter of the phase each, then the step times pace."""
+    spec = tiny_spec(tiny_data, block_size=BLOCK)
+    spec = dataclasses.replace(spec, leases=dataclasses.replace(spec.leases, probe_share=0.25))
+    coordinator.client().init_run(spec.to_dict())
+    join(coordinator, "snellius", tiny_data)
+    join(coordinator, "lumi", tiny_data)
+    fast, slow = lease(coordinator, "snellius", 4), lease(coordinator, "lumi", 4)
+    assert (fast["n_blocks"], slow["n_blocks"]) == (1, 1)  # a quarter of the phase each
+    coordinator.client("snellius").heartbeat(fast["lease_id"], "snellius", 1, 0.1)
+    coordinator.client("lumi").heartbeat(slow["lease_id"], "lumi", 0, 0.3)
+    # paced now: 4 * (1/0.1) / mean(1/0.1, 1/0.3) = 6 and 4 * (1/0.3) / that mean = 2
+    assert early(coordinator, "snellius", 4)["lease"]["n_blocks"] == 6
+    assert early(coordinator, "lumi", 4)["lease"]["n_blocks"] == 2
+    # a late joiner's pace is unknown: it is probed, not granted its whole phase
+    join(coordinator, "frontier", tiny_data)
+    assert lease(coordinator, "frontier", 4)["n_blocks"] == 1
+
+
+def test_a_run_of_one_site_is_never_probed(coordinator: LiveCoordinator, tiny_data: Path) -> None:
+    spec = tiny_spec(tiny_data, block_size=BLOCK, sites={"snellius": 1})
+    spec = dataclasses.replace(spec, leases=dataclasses.replace(spec.leases, probe_share=0.25))
+    coordinator.client().init_run(spec.to_dict())
+    join(coordinator, "snellius", tiny_data)
+    assert lease(coordinator, "snellius", 4)["n_blocks"] == 4  # nobody to wait for it
+
+
+def test_a_round_every_site_delivered_to_closes_without_waiting_out_its_join_window(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """A join window of ten minutes: two of three sites in keep the round open, the third
+    closes it at once (no site of the run is left to join)."""
+    spec = tiny_spec(tiny_data, block_size=BLOCK, rounds=RoundPolicy(600.0, 3600.0))
+    coordinator.client().init_run(spec.to_dict())
+    g0 = global_model(coordinator, 0, tmp_path)
+    for site in ("snellius", "lumi", "frontier"):
+        join(coordinator, site, tiny_data)
+    held = {site: lease(coordinator, site, 2) for site in ("snellius", "lumi", "frontier")}
+    for i, site in enumerate(("snellius", "lumi")):
+        commit(coordinator, site, held[site], delta_file(tmp_path, g0, seed=i, name=site))
+    time.sleep(2.0)  # several of the closer's ticks
+    assert coordinator.client().round_info(1)["status"] == "open"  # frontier may still send
+    commit(coordinator, "frontier", held["frontier"], delta_file(tmp_path, g0, seed=2, name="f"))
+    closed = wait_round_closed(coordinator, 1)  # well inside the 600 s window
+    assert closed["close_reason"] == "all_in"
 
 
 # ------------------------------------------------------------------ forged and replayed

@@ -74,6 +74,27 @@ def test_step_rates_size_grants_before_any_commit_and_outrank_commit_rates():
     assert book.grant_size("slow", 10, 12.0, step_rates={"slow": 1.0, "fast": -1.0}) == 10
 
 
+def test_a_site_without_a_rate_gets_a_probe_of_its_phase_and_is_paced_once_it_has_one():
+    book = book_with("fast", "slow")
+    # the first round: no step time and no commit yet, so every site gets the probe share
+    assert book.grant_size("fast", 40, 0.0, probe_share=0.25) == 10
+    assert book.grant_size("slow", 40, 0.0, probe_share=0.25) == 10
+    assert book.grant_size("slow", 3, 0.0, probe_share=0.25) == 1  # rounded, at least one block
+    assert book.grant_size("slow", 6, 0.0, probe_share=0.25) == 2  # 1.5 rounds half up
+    assert book.grant_size("slow", 40, 0.0) == 40  # share 1.0: the request whole
+    # once step times are known the share no longer applies: grants follow the paces
+    rates = {"fast": 5.0, "slow": 1.0}
+    assert book.grant_size("fast", 40, 1.0, step_rates=rates, probe_share=0.25) == 67
+    assert book.grant_size("slow", 40, 1.0, step_rates=rates, probe_share=0.25) == 13
+    # a late joiner among paced sites is probed too, and so kept from holding the round
+    book.register("late", 2.0)
+    assert book.grant_size("late", 40, 2.0, step_rates=rates, probe_share=0.25) == 10
+    for bad in (0.0, -0.5, 1.5, float("nan"), True):
+        with pytest.raises(LeaseError) as err:
+            book.grant_size("fast", 40, 1.0, probe_share=bad)
+        assert err.value.code == "bad_argument"
+
+
 def test_sizing_compares_paces_so_bigger_sites_are_not_counted_twice():
     book = book_with("big", "small")
     work(book, "big", 40, 0.0, 4.0)  # four times the ranks: asks 40, commits 10 blocks/s

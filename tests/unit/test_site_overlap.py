@@ -50,7 +50,8 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     spec = tiny_spec(
         tiny_data,
         sites={name: 1 for name in SITES},
-        leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0),
+        # the phases as asked: these tests pin step counts (the probe has tests of its own)
+        leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0, probe_share=1.0),
     )
     coordinator.client().init_run(spec.to_dict())
     config = overlap_config(tmp_path, coordinator, tiny_data)
