@@ -54,7 +54,9 @@ class Lumi:
         path = delta_file(self.tmp, model, seed=round_no, name=f"lumi-{round_no}")
         self.client.submit_delta(
             round_no, path, inline=False, site="lumi", lease_id=lease["lease_id"],
-            generation=round_no - 1, tokens=256, steps=4, consumed=lease["n_blocks"],
+            # within what the lease holds (4 windows of 32 tokens a block): its first is a probe
+            generation=round_no - 1, tokens=64 * lease["n_blocks"], steps=4,
+            consumed=lease["n_blocks"],
             loss=3.0, compute_s=1.0,
         )  # fmt: skip
 
