@@ -229,17 +229,25 @@ IDLE_GAP_S = 60.0
 ROUND_PARTS = [
     ("until_probe_s", "round open until probed (merge job, workflow stopped)", "#bbbbbb"),
     ("startup_s", "probe, plan, site jobs starting", "#9467bd"),
-    ("compute_s", "compute (slowest site)", "#1f77b4"),
-    ("comms_s", "comms (weights down + delta up)", "#ff7f0e"),
-    ("checkpoint_s", "checkpoints (sites + coordinator)", "#2ca02c"),
-    ("merge_s", "merge (outer step)", "#d62728"),
+    ("compute_in_round_s", "compute (slowest site)", "#1f77b4"),
+    ("comms_in_round_s", "comms (weights down + delta up)", "#ff7f0e"),
+    ("checkpoint_in_round_s", "checkpoints (sites + coordinator)", "#2ca02c"),
+    ("merge_in_round_s", "merge (outer step)", "#d62728"),
     ("other_s", "other (join window, barrier, stragglers)", "#8c564b"),
 ]
+#: the measured parts, in the order a round's period is given to them (``round_phases``)
+MEASURED_PARTS = ("compute_s", "comms_s", "checkpoint_s", "merge_s")
 
 
 def round_phases(rounds: pd.DataFrame, results: Path) -> pd.DataFrame:
     """``rounds`` with the parts of every round's ``round_s`` named (``ROUND_PARTS``, which sum
-    to ``round_s``) and ``idle_s``, the time the workflow was stopped inside the round."""
+    to ``round_s``) and ``idle_s``, the time the workflow was stopped inside the round.
+
+    The measured parts (``MEASURED_PARTS``) are the slowest site's and the coordinator's
+    seconds; with overlapped rounds some of them ran before the round opened (a phase
+    starts in the period of the round before). Their ``*_in_round_s`` columns take what
+    fits in the round's period after start-up, in order, so the parts never sum past it;
+    ``other_s`` is what is left."""
     if rounds.empty:
         return rounds
     frame = rounds.copy()
@@ -262,8 +270,12 @@ def round_phases(rounds: pd.DataFrame, results: Path) -> pd.DataFrame:
     probed_at = pd.Series(probed, index=frame.index).clip(lower=opened, upper=lease_at)
     frame["until_probe_s"] = probed_at - opened
     frame["startup_s"] = lease_at - probed_at
-    named = [c for c, _, _ in ROUND_PARTS if c != "other_s"]
-    frame["other_s"] = (frame["round_s"] - frame[named].sum(axis=1)).clip(lower=0.0)
+    left = (frame["round_s"] - frame["until_probe_s"] - frame["startup_s"]).clip(lower=0.0)
+    for column in MEASURED_PARTS:
+        part = frame[column].fillna(0.0).clip(lower=0.0, upper=left)
+        frame[column.removesuffix("_s") + "_in_round_s"] = part
+        left = left - part
+    frame["other_s"] = left
     frame["idle_s"] = frame["until_probe_s"].where(frame["until_probe_s"] > IDLE_GAP_S, 0.0)
     return frame
 
@@ -335,8 +347,10 @@ def plan_table(results: Path) -> pd.DataFrame:
     for name, path in sorted(found, key=lambda item: item[1].stat().st_mtime):
         for site, entry in _read(path).get("sites", {}).items():
             rows.append({"plan": name, "site": site, **entry})
+    if not rows:  # every round closed before its plan ran ("not planned"): a header, no rows
+        return pd.DataFrame(columns=PLAN_COLUMNS)
     frame = pd.DataFrame(rows)
-    return frame[[c for c in PLAN_COLUMNS if c in frame]] if len(frame) else frame
+    return frame[[c for c in PLAN_COLUMNS if c in frame]]
 
 
 CHAIN_COLUMNS = ["site", "job", "slurm_job_id", "rounds_trained", "stopped", "seconds", "left_s"]

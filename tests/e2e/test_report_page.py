@@ -204,3 +204,34 @@ def test_round_parts_name_all_of_round_s_and_leave_out_a_stopped_workflow(tmp_pa
     assert parts.tolist() == pytest.approx([60.0, 660.0])
     assert frame["other_s"].tolist() == pytest.approx([18.4, 18.4])
     assert frame["idle_s"].tolist() == pytest.approx([0.0, 600.0])  # 2 s: the merge job
+    assert frame["compute_in_round_s"].tolist() == pytest.approx([20.0, 20.0])  # all inside
+
+
+def test_an_overlapped_phase_that_began_before_its_round_opened_is_cut_to_the_round(
+    tmp_path: Path,
+) -> None:
+    """Round 2 lasts 10 s, but its slowest site's phase took 12 s of compute: it began in
+    round 1's period. The parts keep to round 2's 10 s; compute gets what is left of it."""
+    t = 1_800_000_000.0
+    write_round(tmp_path, 1, t, t + 1, t + 2, t + 30)
+    write_round(tmp_path, 2, t + 30, t + 30, t + 30, t + 40)
+    rounds = pd.DataFrame(
+        {
+            "round": [1, 2],
+            "opened_at": [t, t + 30],
+            "closed_at": [t + 30, t + 40],
+            "round_s": [30.0, 10.0],
+            "compute_s": [20.0, 12.0],
+            "comms_s": [1.0, 1.0],
+            "checkpoint_s": [0.5, 0.5],
+            "merge_s": [0.1, 0.1],
+        }
+    )
+    frame = round_phases(rounds, tmp_path)
+    parts = frame[[column for column, _, _ in ROUND_PARTS]]
+    assert (parts >= 0).all().all()
+    assert parts.sum(axis=1).tolist() == pytest.approx([30.0, 10.0])
+    assert frame["compute_in_round_s"].tolist() == pytest.approx([20.0, 10.0])
+    assert frame["comms_in_round_s"].tolist() == pytest.approx([1.0, 0.0])
+    assert frame["other_s"].tolist() == pytest.approx([30.0 - 1 - 1 - 20 - 1.6, 0.0])
+    assert frame["compute_s"].tolist() == [20.0, 12.0]  # the measured seconds stay as they were
