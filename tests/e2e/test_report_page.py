@@ -179,25 +179,30 @@ def write_round(
     (folder / "probe.csv").write_text(f"probed_at,site\n{stamp},lumi\n")
 
 
+def two_rounds(opened: float, between: float, closed: float, compute_s: list[float]):
+    """rounds.csv's columns for two rounds back to back, 1 s of comms, 0.5 s of checkpoints
+    and 0.1 s of merge each."""
+    return pd.DataFrame(
+        {
+            "round": [1, 2],
+            "opened_at": [opened, between],
+            "closed_at": [between, closed],
+            "round_s": [between - opened, closed - between],
+            "compute_s": compute_s,
+            "comms_s": [1.0, 1.0],
+            "checkpoint_s": [0.5, 0.5],
+            "merge_s": [0.1, 0.1],
+        }
+    )
+
+
 def test_round_parts_name_all_of_round_s_and_leave_out_a_stopped_workflow(tmp_path: Path) -> None:
     """Round 2 opened when round 1 closed, but the workflow was stopped for 10 minutes
     before it probed again (an extended run): that gap is idle, not the run's wall-clock."""
     t = 1_800_000_000.0
     write_round(tmp_path, 1, t, t + 2, t + 20, t + 60)
     write_round(tmp_path, 2, t + 60, t + 660, t + 680, t + 720)
-    rounds = pd.DataFrame(
-        {
-            "round": [1, 2],
-            "opened_at": [t, t + 60],
-            "closed_at": [t + 60, t + 720],
-            "round_s": [60.0, 660.0],
-            "compute_s": [20.0, 20.0],
-            "comms_s": [1.0, 1.0],
-            "checkpoint_s": [0.5, 0.5],
-            "merge_s": [0.1, 0.1],
-        }
-    )
-    frame = round_phases(rounds, tmp_path)
+    frame = round_phases(two_rounds(t, t + 60, t + 720, compute_s=[20.0, 20.0]), tmp_path)
     assert frame["until_probe_s"].tolist() == pytest.approx([2.0, 600.0])
     assert frame["startup_s"].tolist() == pytest.approx([18.0, 20.0])
     parts = frame[[column for column, _, _ in ROUND_PARTS]].sum(axis=1)
@@ -215,19 +220,7 @@ def test_an_overlapped_phase_that_began_before_its_round_opened_is_cut_to_the_ro
     t = 1_800_000_000.0
     write_round(tmp_path, 1, t, t + 1, t + 2, t + 30)
     write_round(tmp_path, 2, t + 30, t + 30, t + 30, t + 40)
-    rounds = pd.DataFrame(
-        {
-            "round": [1, 2],
-            "opened_at": [t, t + 30],
-            "closed_at": [t + 30, t + 40],
-            "round_s": [30.0, 10.0],
-            "compute_s": [20.0, 12.0],
-            "comms_s": [1.0, 1.0],
-            "checkpoint_s": [0.5, 0.5],
-            "merge_s": [0.1, 0.1],
-        }
-    )
-    frame = round_phases(rounds, tmp_path)
+    frame = round_phases(two_rounds(t, t + 30, t + 40, compute_s=[20.0, 12.0]), tmp_path)
     parts = frame[[column for column, _, _ in ROUND_PARTS]]
     assert (parts >= 0).all().all()
     assert parts.sum(axis=1).tolist() == pytest.approx([30.0, 10.0])
