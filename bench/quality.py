@@ -8,7 +8,10 @@ DARL block permutation: site i's step h of round r trains the same windows in ev
 and the centralised step trains the three sites' step-h windows together, so every variant
 sees the same windows in the same number of sequential optimiser steps (the paper's control:
 Photon's federated advantage came from ~8x more steps). The learning-rate schedule is indexed
-by the global step in all of them.
+by the global step in all of them. Every DiLoCo-style row crosses the workflow's wire: its
+sites train from the global model as the coordinator publishes it (the fp32 master cast to
+bf16) and send bf16 deltas measured against it, while the outer step runs on the fp32 master
+(``--global-dtype`` / ``--delta-dtype fp32`` make either side lossless).
 
 * centralised: one model, batch 3*B, T AdamW steps;
 * DiLoCo 3 sites: three sites of batch B, H inner steps per round (R = T / H rounds), the
@@ -43,7 +46,7 @@ same command prints the same figures.
     .venv/bin/python bench/quality.py --threads 1 --jobs 3    # tens of minutes on 2 cores
     .venv/bin/python bench/quality.py --outer paper tuned --variants centralised diloco
     .venv/bin/python bench/quality.py --outer paper --inner-steps 10 --steps 80 --batch 8 \
-        --seeds 0                                              # the issue-18 figures
+        --seeds 0 --global-dtype fp32                          # the issue-18 figures
     .venv/bin/python bench/quality.py --threads 1 --jobs 3 --variants diloco overlap \
         --overlap-rule mix --overlap-alpha 0.5                 # the mix rule against plain
 """
@@ -55,7 +58,7 @@ import json
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -76,10 +79,24 @@ from crossfed.train.overlap import RULES, OverlapConfig, fold_in
 from crossfed.train.prepare import prepare
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
-from crossfed.wire.deltas import delta_of
+from crossfed.wire.deltas import delta_tensor
 
 PAPER_RATIO = 34.7 / 28.2
 VARIANTS = ("centralised", "diloco", "fedavg", "solo", "overlap")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What crosses the network: the global model the sites download and the deltas they
+    send. The workflow's is bf16 both ways (``crossfed.coordinator.generations`` publishes the
+    master in bf16; ``transport.compress: none`` sends bf16 deltas)."""
+
+    global_dtype: torch.dtype = torch.bfloat16
+    delta_dtype: torch.dtype = torch.bfloat16
+
+
+WORKFLOW_WIRE = Wire()
 
 
 def site_windows(
@@ -120,8 +137,10 @@ def interleave(leases: list[list[int]], batch: int) -> list[int]:
 class Run:
     """One variant: a global model, per-site inner optimisers, the outer state."""
 
-    def __init__(self, name, store, vocab, seed, schedule, outer, sites, inner) -> None:
+    def __init__(self, name, store, vocab, seed, schedule, outer, sites, inner,
+                 wire: Wire = WORKFLOW_WIRE) -> None:  # fmt: skip
         self.name, self.store, self.schedule, self.outer = name, store, schedule, outer
+        self.wire = wire
         self.model = build_model("tiny", vocab_size=vocab, seed=seed)
         self.master = {k: v.detach().clone().float() for k, v in parameters_of(self.model).items()}
         self.momentum: dict[str, torch.Tensor] = {}
@@ -134,8 +153,9 @@ class Run:
         """Every site trains its lease from the global model; the outer step merges."""
         t0 = time.perf_counter()
         deltas, tokens = [], []
+        published = self.published()
         for i, lease in enumerate(leases):
-            load_parameters(self.model, self.master)
+            load_parameters(self.model, published)
             optimizer = self.optimizers[i]
             trainer = Trainer(self.model, optimizer, self.inner)
             state = run_inner_phase(
@@ -145,7 +165,7 @@ class Run:
                 schedule=self.schedule,
                 global_step=self.global_step,
             )
-            deltas.append(delta_of(parameters_of(self.model), self.master))
+            deltas.append(self.delta(parameters_of(self.model), published))
             tokens.append(state.tokens)
         if self.outer is None:  # centralised: the model simply continues
             self.master = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
@@ -153,6 +173,17 @@ class Run:
             outer_step(self.master, self.momentum, deltas, tokens, self.outer)
         self.global_step += steps
         self.train_s += time.perf_counter() - t0
+
+    def published(self) -> dict[str, torch.Tensor]:
+        """A copy of the global model the sites download: the fp32 master in the wire's
+        global dtype (centralised training has no wire: its model simply continues)."""
+        if self.outer is None:
+            return self.master
+        return {k: v.to(self.wire.global_dtype, copy=True) for k, v in self.master.items()}
+
+    def delta(self, site: dict[str, torch.Tensor], published: dict[str, torch.Tensor]):
+        """A site's delta against the model it downloaded, in the wire's delta dtype."""
+        return {k: delta_tensor(site[k], published[k]).to(self.wire.delta_dtype) for k in published}
 
     def perplexity(self, val: WindowStore, max_windows: int) -> float:
         load_parameters(self.model, self.master)
@@ -168,8 +199,8 @@ class OverlapRun(Run):
     """
 
     def __init__(self, name, store, vocab, seed, schedule, outer, sites, inner,
-                 overlap: OverlapConfig, tau: int) -> None:  # fmt: skip
-        super().__init__(name, store, vocab, seed, schedule, outer, sites, inner)
+                 overlap: OverlapConfig, tau: int, wire: Wire = WORKFLOW_WIRE) -> None:  # fmt: skip
+        super().__init__(name, store, vocab, seed, schedule, outer, sites, inner, wire)
         self.overlap, self.tau = overlap, tau
         #: each site's weights when it sent its last delta (None before its first round)
         self.sent: list[dict[str, torch.Tensor] | None] = [None] * sites
@@ -178,22 +209,23 @@ class OverlapRun(Run):
         """Each site: tau steps from its own weights, fold in the master, the rest; merge."""
         t0 = time.perf_counter()
         deltas, tokens = [], []
+        merged = self.published()
         for i, lease in enumerate(leases):
             trainer = Trainer(self.model, self.optimizers[i], self.inner)
             sent = self.sent[i]
             state = PhaseState()
-            if sent is None:  # the first round: nothing in flight, train from the master
-                load_parameters(self.model, self.master)
+            if sent is None:  # the first round: nothing in flight, train from the global model
+                load_parameters(self.model, merged)
             else:
                 load_parameters(self.model, sent)
                 stale = min(self.tau, steps) * self.inner.windows_per_step
                 if stale:
                     state = self._phase(trainer, lease[:stale], state)
-                theta = fold_in(parameters_of(self.model), sent, self.master, self.overlap)
+                theta = fold_in(parameters_of(self.model), sent, merged, self.overlap)
                 load_parameters(self.model, theta)
             state = self._phase(trainer, lease, state)
             ended = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
-            deltas.append(delta_of(ended, self.master))
+            deltas.append(self.delta(ended, merged))
             tokens.append(state.tokens)
             self.sent[i] = ended
         outer_step(self.master, self.momentum, deltas, tokens, self.outer)
@@ -265,6 +297,7 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
         total_steps=T,
         min_lr_factor=args.min_lr_factor,
     )
+    wire = Wire(DTYPES[args.global_dtype], DTYPES[args.delta_dtype])
     site_cfg = InnerConfig(micro_batch=B)
     wide_cfg = InnerConfig(micro_batch=B, accumulation=S)  # the combined per-step batch
     fedavg = OuterConfig(eta=1.0, beta=0.0)
@@ -276,18 +309,18 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
         tag = "" if len(outers) == 1 else f" [{label}]"
         if "diloco" in variants:
             runs[f"DiLoCo {S} sites{tag}"] = Run("diloco", store, vocab, seed, schedule, outer,
-                                                 S, site_cfg)  # fmt: skip
+                                                 S, site_cfg, wire)  # fmt: skip
         if "solo" in variants:
             runs[f"DiLoCo 1 site{tag}"] = Run("solo", store, vocab, seed, schedule, outer, 1,
-                                              wide_cfg)  # fmt: skip
+                                              wide_cfg, wire)  # fmt: skip
         if "overlap" in variants:
             config, tau = overlap_config(args), overlap_tau(args.overlap_delay, H)
             runs[overlap_name(S, config, tau, tag)] = OverlapRun(
-                "overlap", store, vocab, seed, schedule, outer, S, site_cfg, config, tau
+                "overlap", store, vocab, seed, schedule, outer, S, site_cfg, config, tau, wire
             )
     if "fedavg" in variants:
         runs["FedAvg (beta=0, eta=1)"] = Run("fedavg", store, vocab, seed, schedule, fedavg, S,
-                                             site_cfg)  # fmt: skip
+                                             site_cfg, wire)  # fmt: skip
     curves: dict[str, list[float]] = {name: [] for name in runs}
     every = args.eval_every or T
     for r in range(R):
@@ -347,6 +380,10 @@ def main() -> None:
                         help="how the overlap row folds in the merged model")  # fmt: skip
     parser.add_argument("--overlap-alpha", type=float, default=0.5,
                         help="the site's weight in the mix rule (Streaming DiLoCo)")  # fmt: skip
+    parser.add_argument("--global-dtype", choices=DTYPES, default="bf16",
+                        help="the global model sites download (the workflow's: bf16)")  # fmt: skip
+    parser.add_argument("--delta-dtype", choices=DTYPES, default="bf16",
+                        help="the deltas sites send (the workflow's: bf16)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--min-lr-factor", type=float, default=0.1)
@@ -442,6 +479,7 @@ def main() -> None:
         "tokens": tokens,
         "seeds": args.seeds,
         "outer": {label: asdict(cfg) for label, cfg in outers},
+        "wire": {"global": args.global_dtype, "delta": args.delta_dtype},
         "warmup_steps": args.warmup_steps,
         "min_lr_factor": args.min_lr_factor,
         "by_h": by_h,

@@ -1,5 +1,6 @@
-"""bench/quality.py's overlap row: with no delay it is the DiLoCo row bit for bit; with a
-delay it is the plain round first and differs from the second round on."""
+"""bench/quality.py: the wire every DiLoCo row crosses (sites train from the published bf16
+model and send bf16 deltas), and the overlap row: with no delay it is the DiLoCo row bit for
+bit; with a delay it is the plain round first and differs from the second round on."""
 
 from __future__ import annotations
 
@@ -8,10 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.quality import OverlapRun, Run, overlap_name, overlap_tau, site_windows
+from bench.quality import (
+    OverlapRun,
+    Run,
+    Wire,
+    interleave,
+    overlap_name,
+    overlap_tau,
+    site_windows,
+)
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.outer import PRESETS
 from crossfed.train.inner import InnerConfig
+from crossfed.train.model import parameters_of
 from crossfed.train.overlap import OverlapConfig
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
@@ -73,3 +83,52 @@ def test_tau_is_a_rounded_fraction_of_h_at_least_one_step_and_at_most_h() -> Non
         overlap_tau(float("nan"), 5)
     mix = OverlapConfig(enabled=True, rule="mix", alpha=0.25)
     assert overlap_name(3, mix, 2) == "DiLoCo 3 sites, overlap (mix alpha=0.25, tau=2)"
+
+
+def _lone_site(data: Path, wire: Wire) -> tuple[Run, Run, list[int]]:
+    """A centralised run and a lone site of the same batch, and one round's windows."""
+    store = WindowStore.open(data, "train")
+    plan = site_windows(BlockSpace(store.n_windows, 8, seed=5), SITES, BATCH, H, 1)
+    schedule = LRSchedule(peak_lr=3e-3, warmup_steps=1, total_steps=H)
+    cfg, vocab = InnerConfig(micro_batch=BATCH, accumulation=SITES), store.vocab_size
+    central = Run("centralised", store, vocab, 0, schedule, None, 1, cfg)
+    solo = Run("solo", store, vocab, 0, schedule, PRESETS["tuned"], 1, cfg, wire)
+    return central, solo, interleave(plan[0], BATCH)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [Wire(), Wire(torch.float32, torch.bfloat16), Wire(torch.bfloat16, torch.float32)],
+    ids=["workflow", "fp32-global", "fp32-delta"],
+)
+def test_a_site_trains_from_the_published_model_and_sends_its_delta_in_the_wire_dtype(
+    tiny_data: Path, wire: Wire
+) -> None:
+    _, solo, lease = _lone_site(tiny_data, wire)
+    before = {k: v.clone() for k, v in solo.master.items()}
+    published = solo.published()
+    assert all(published[k].dtype == wire.global_dtype for k in before)
+    assert all(torch.equal(published[k].float(), before[k].to(wire.global_dtype).float())
+               for k in before)  # fmt: skip
+    solo.round([lease], H)
+    trained = parameters_of(solo.model)  # the lone site's weights at the end of its phase
+    # tuned, one contributor: eta 1 and no momentum, so the master moves by the delta as sent
+    for k, w in before.items():
+        sent = (trained[k].float() - published[k].float()).to(wire.delta_dtype).float()
+        torch.testing.assert_close(solo.master[k], w + sent, rtol=1e-6, atol=1e-9)
+
+
+def test_a_lossless_wire_makes_a_lone_site_centralised_training_and_bf16_does_not(
+    tiny_data: Path,
+) -> None:
+    central, lossless, lease = _lone_site(tiny_data, Wire(torch.float32, torch.float32))
+    _, workflow, _ = _lone_site(tiny_data, Wire())
+    assert all(torch.equal(central.master[k], lossless.master[k]) for k in central.master)
+    for run in (central, lossless, workflow):
+        run.round([lease], H)
+    for k, w in central.master.items():
+        torch.testing.assert_close(lossless.master[k], w)  # fp32 rounding of w0 + (w - w0)
+    assert any(
+        not torch.allclose(workflow.master[k], w, rtol=1e-4, atol=1e-6)
+        for k, w in central.master.items()
+    )
