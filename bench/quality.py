@@ -79,7 +79,7 @@ from crossfed.train.overlap import RULES, OverlapConfig, fold_in
 from crossfed.train.prepare import prepare
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.windows import WindowStore
-from crossfed.wire.deltas import delta_tensor
+from crossfed.wire.deltas import delta_of
 
 PAPER_RATIO = 34.7 / 28.2
 VARIANTS = ("centralised", "diloco", "fedavg", "solo", "overlap")
@@ -165,7 +165,7 @@ class Run:
                 schedule=self.schedule,
                 global_step=self.global_step,
             )
-            deltas.append(self.delta(parameters_of(self.model), published))
+            deltas.append(delta_of(parameters_of(self.model), published, self.wire.delta_dtype))
             tokens.append(state.tokens)
         if self.outer is None:  # centralised: the model simply continues
             self.master = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
@@ -180,10 +180,6 @@ class Run:
         if self.outer is None:
             return self.master
         return {k: v.to(self.wire.global_dtype, copy=True) for k, v in self.master.items()}
-
-    def delta(self, site: dict[str, torch.Tensor], published: dict[str, torch.Tensor]):
-        """A site's delta against the model it downloaded, in the wire's delta dtype."""
-        return {k: delta_tensor(site[k], published[k]).to(self.wire.delta_dtype) for k in published}
 
     def perplexity(self, val: WindowStore, max_windows: int) -> float:
         load_parameters(self.model, self.master)
@@ -225,7 +221,7 @@ class OverlapRun(Run):
                 load_parameters(self.model, theta)
             state = self._phase(trainer, lease, state)
             ended = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
-            deltas.append(self.delta(ended, merged))
+            deltas.append(delta_of(ended, merged, self.wire.delta_dtype))
             tokens.append(state.tokens)
             self.sent[i] = ended
         outer_step(self.master, self.momentum, deltas, tokens, self.outer)

@@ -26,11 +26,13 @@ def delta_tensor(site: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 
 def delta_of(
-    site_params: Mapping[str, torch.Tensor], global_params: Mapping[str, torch.Tensor]
+    site_params: Mapping[str, torch.Tensor],
+    global_params: Mapping[str, torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, torch.Tensor]:
-    """Delta = site model - global model, computed in fp32 and sent as bf16."""
+    """Delta = site model - global model, computed in fp32 and sent as ``dtype`` (bf16)."""
     return {
-        name: delta_tensor(site_params[name], global_params[name]).to(torch.bfloat16)
+        name: delta_tensor(site_params[name], global_params[name]).to(dtype)
         for name in global_params
     }
 
