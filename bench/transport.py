@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------- fixtures
 def write_model(path: Path, params: int | None) -> tuple[str, int, int]:
     """A bf16 model file of the Qwen3-0.6B layout, tensor by tensor; (digest, bytes, tensors)."""
-    layout = scaled_layout(params)
+    layout = scaled_layout("0.6B", params)
     specs = [TensorSpec(name, torch.bfloat16, shape) for name, shape in layout.items()]
     gen = torch.Generator().manual_seed(0)
 
