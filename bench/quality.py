@@ -83,6 +83,12 @@ from crossfed.wire.deltas import delta_of
 
 PAPER_RATIO = 34.7 / 28.2
 VARIANTS = ("centralised", "diloco", "fedavg", "solo", "overlap")
+ADAM_STATES = ("keep", "reset", "average")
+#: H -> optimiser steps T of each named regime (R = T / H rounds)
+REGIMES: dict[str, dict[int, int]] = {
+    "long": {25: 1000, 100: 2000},  # the workflow's H over 40 rounds, the paper's over 20
+    "short": {3: 150, 5: 150},  # 50 and 30 rounds: minutes
+}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -102,9 +108,17 @@ WORKFLOW_WIRE = Wire()
 def site_windows(
     space: BlockSpace, sites: int, batch: int, steps: int, rounds: int
 ) -> list[list[list[int]]]:
-    """Dataset windows per round and site: ``out[r][i]`` is site i's lease, in step order."""
-    order = [w for b in space.permutation(0) for w in space.block_windows(int(b))]
+    """Dataset windows per round and site: ``out[r][i]`` is site i's lease, in step order.
+
+    The windows follow DARL's epochs: the block permutation of epoch 0, then epoch 1's, and
+    so on, as a run that outlasts one pass over the data leases them."""
     per_site = batch * steps
+    need = per_site * sites * rounds
+    order: list[int] = []
+    epoch = 0
+    while len(order) < need:
+        order += [w for b in space.permutation(epoch) for w in space.block_windows(int(b))]
+        epoch += 1
     out, cursor = [], 0
     for _ in range(rounds):
         leases = []
@@ -112,9 +126,12 @@ def site_windows(
             leases.append(order[cursor : cursor + per_site])
             cursor += per_site
         out.append(leases)
-    if cursor > len(order):
-        raise SystemExit(f"the data has {len(order)} windows, the benchmark needs {cursor}")
     return out
+
+
+def epochs_of(space: BlockSpace, windows: int) -> float:
+    """How many passes over the data ``windows`` trained windows are."""
+    return windows / space.n_windows
 
 
 def as_ranges(windows: list[int]) -> list[tuple[int, int]]:
@@ -148,6 +165,19 @@ class Run:
         self.optimizers = [make_optimizer(self.model, inner, lr=0.0) for _ in range(sites)]
         self.global_step = 0
         self.train_s = 0.0
+        #: what happens to the sites' AdamW state at a merge (the workflow keeps it)
+        self.adam_state = "keep"
+        #: the (eta, beta) each outer step ran with, by number of contributors
+        self.steps_run: dict[int, tuple[float, float]] = {}
+
+    def merge(self, deltas: list[dict[str, torch.Tensor]], tokens: list[int]) -> None:
+        """The outer step, then the sites' AdamW state as ``adam_state`` says."""
+        report = outer_step(self.master, self.momentum, deltas, tokens, self.outer)
+        self.steps_run[report.contributors] = (report.eta_used, report.beta_used)
+        if self.adam_state == "reset":
+            self.optimizers = [make_optimizer(self.model, self.inner, lr=0.0) for _ in deltas]
+        elif self.adam_state == "average" and len(self.optimizers) > 1:
+            average_adam_state(self.optimizers)
 
     def round(self, leases: list[list[int]], steps: int) -> None:
         """Every site trains its lease from the global model; the outer step merges."""
@@ -170,7 +200,7 @@ class Run:
         if self.outer is None:  # centralised: the model simply continues
             self.master = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
         else:
-            outer_step(self.master, self.momentum, deltas, tokens, self.outer)
+            self.merge(deltas, tokens)
         self.global_step += steps
         self.train_s += time.perf_counter() - t0
 
@@ -185,6 +215,16 @@ class Run:
         load_parameters(self.model, self.master)
         _, ppl = evaluate(self.model, val.windows, val.n_windows, max_windows=max_windows)
         return ppl
+
+
+def average_adam_state(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Every optimiser's AdamW moments become their mean over the optimisers (one lever the
+    bench measures; the workflow keeps each site's own)."""
+    for p in optimizers[0].state:
+        for key in ("exp_avg", "exp_avg_sq"):
+            mean = torch.stack([opt.state[p][key] for opt in optimizers]).mean(0)
+            for opt in optimizers:
+                opt.state[p][key].copy_(mean)
 
 
 class OverlapRun(Run):
@@ -224,7 +264,7 @@ class OverlapRun(Run):
             deltas.append(delta_of(ended, merged, self.wire.delta_dtype))
             tokens.append(state.tokens)
             self.sent[i] = ended
-        outer_step(self.master, self.momentum, deltas, tokens, self.outer)
+        self.merge(deltas, tokens)
         self.global_step += steps
         self.train_s += time.perf_counter() - t0
 
@@ -238,6 +278,29 @@ class OverlapRun(Run):
             global_step=self.global_step,
             state=state,
         )
+
+
+def regime_steps(regime: str, inner_steps: list[int] | None,
+                 steps: list[int] | None) -> dict[int, int]:  # fmt: skip
+    """H -> optimiser steps T: the regime's, or ``steps`` (one value, or one per H)."""
+    table = REGIMES[regime]
+    hs = inner_steps or list(table)
+    if steps is None:
+        missing = [H for H in hs if H not in table]
+        if missing:
+            raise ValueError(f"--inner-steps {missing} is not in the {regime} regime "
+                             f"({sorted(table)}): give --steps")  # fmt: skip
+        ts = [table[H] for H in hs]
+    elif len(steps) == 1:
+        ts = steps * len(hs)
+    elif len(steps) == len(hs):
+        ts = steps
+    else:
+        raise ValueError(f"--steps takes one value or one per H ({len(hs)}), got {len(steps)}")
+    for H, T in zip(hs, ts, strict=True):
+        if H < 1 or T < 1 or T % H:
+            raise ValueError(f"--steps {T} is not a whole number of rounds of H={H}")
+    return dict(zip(hs, ts, strict=True))
 
 
 def overlap_tau(fraction: float, H: int) -> int:
@@ -283,7 +346,7 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) -> dict:
     """One data order and model seed at one H: every requested row, trained side by side."""
-    S, B, T = args.sites, args.batch, args.steps
+    S, B, T = args.sites, args.batch, args.steps_by_h[H]
     R = T // H
     space = BlockSpace(store.n_windows, 16, seed=1234 + seed)
     plan = site_windows(space, S, B, H, R)
@@ -294,8 +357,9 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
         min_lr_factor=args.min_lr_factor,
     )
     wire = Wire(DTYPES[args.global_dtype], DTYPES[args.delta_dtype])
-    site_cfg = InnerConfig(micro_batch=B)
-    wide_cfg = InnerConfig(micro_batch=B, accumulation=S)  # the combined per-step batch
+    site_cfg = InnerConfig(micro_batch=B, weight_decay=args.weight_decay)
+    # the combined per-step batch
+    wide_cfg = InnerConfig(micro_batch=B, accumulation=S, weight_decay=args.weight_decay)
     fedavg = OuterConfig(eta=1.0, beta=0.0)
     vocab = store.vocab_size
     runs: dict[str, Run] = {}
@@ -317,6 +381,8 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
     if "fedavg" in variants:
         runs["FedAvg (beta=0, eta=1)"] = Run("fedavg", store, vocab, seed, schedule, fedavg, S,
                                              site_cfg, wire)  # fmt: skip
+    for run in runs.values():
+        run.adam_state = args.adam_state
     curves: dict[str, list[float]] = {name: [] for name in runs}
     every = args.eval_every or T
     for r in range(R):
@@ -337,6 +403,12 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
         "final": {name: c[-1] for name, c in curves.items()},
         "curves": {name: [round(p, 2) for p in c] for name, c in curves.items()},
         "train_s": {name: round(run.train_s, 1) for name, run in runs.items()},
+        "outer_run": {
+            name: {str(n): list(step) for n, step in sorted(run.steps_run.items())}
+            for name, run in runs.items()
+            if run.steps_run
+        },  # fmt: skip
+        "epochs": round(epochs_of(space, T * S * B), 3),
     }
 
 
@@ -359,10 +431,19 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--sites", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="B per site per step")
-    parser.add_argument("--inner-steps", type=int, nargs="+", default=[3, 5],
-                        help="H values, each its own set of runs")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=150,
-                        help="optimiser steps T of every run (R = T / H rounds)")  # fmt: skip
+    parser.add_argument("--regime", choices=REGIMES, default="long",
+                        help="long: the workflow's H=25 (40 rounds) and the paper's H=100 (20 "
+                        "rounds), about an hour on 2 cores; short: H=3 and 5 over 150 steps, "
+                        "minutes")  # fmt: skip
+    parser.add_argument(
+        "--inner-steps",
+        type=int,
+        nargs="+",
+        help="H values, each its own set of runs (default: the regime's)",
+    )
+    parser.add_argument("--steps", type=int, nargs="+",
+                        help="optimiser steps T of every run (R = T / H rounds): one value, or "
+                        "one per H (default: the regime's for its H)")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="model seed s and data order 1234 + s")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -383,6 +464,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--min-lr-factor", type=float, default=0.1)
+    parser.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.1,
+        help="AdamW weight decay on matrices (inner.weight_decay)",
+    )
+    parser.add_argument("--adam-state", choices=ADAM_STATES, default="keep",
+                        help="the sites' AdamW state at a merge: keep (the workflow's), reset, "
+                        "or average over the sites")  # fmt: skip
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate every this many steps (0: at the end only)")  # fmt: skip
@@ -390,9 +480,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="train the (H, seed) cells in this many processes")  # fmt: skip
     args = parser.parse_args()
-    for H in args.inner_steps:
-        if H < 1 or args.steps % H:
-            parser.error(f"--steps {args.steps} is not a whole number of rounds of H={H}")
+    try:
+        args.steps_by_h = regime_steps(args.regime, args.inner_steps, args.steps)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.inner_steps = list(args.steps_by_h)
     try:
         overlap = overlap_config(args)
         taus = {H: overlap_tau(args.overlap_delay, H) for H in args.inner_steps}
@@ -405,7 +497,7 @@ def main() -> None:
         prepare(data, vocab_size=args.vocab_size, seq_len=args.seq_len, val_fraction=0.05,
                 shards=2, log=lambda *_: None)  # fmt: skip
     store, val = WindowStore.open(data, "train"), WindowStore.open(data, "val")
-    S, B, T = args.sites, args.batch, args.steps
+    S, B = args.sites, args.batch
     outers = args.outer
     cells = [(H, seed) for H in args.inner_steps for seed in args.seeds]
     if args.jobs > 1:  # each (H, seed) in its own process, one thread each
@@ -420,18 +512,22 @@ def main() -> None:
             (H, seed): train_one(args, store, val, seed, H, args.variants, outers)
             for H, seed in cells
         }
-    tokens = T * S * B * store.seq_len
+    tokens = {H: T * S * B * store.seq_len for H, T in args.steps_by_h.items()}
     lead = "" if len(outers) == 1 else f" [{outers[0][0]}]"
     diloco, solo = f"DiLoCo {S} sites{lead}", f"DiLoCo 1 site{lead}"
     overlapped = {H: overlap_name(S, overlap, taus[H], lead) for H in args.inner_steps}
     print()
-    print(f"tokens {tokens} and {T} optimiser steps in every run; seeds {args.seeds}")
+    for H, T in args.steps_by_h.items():
+        epochs = results[(H, args.seeds[0])]["epochs"]
+        print(f"H={H}: {tokens[H]} tokens ({epochs:g} epochs) and {T} optimiser steps in every "
+              f"run; seeds {args.seeds}")  # fmt: skip
     print("| H | rounds | run | held-out perplexity (mean ± sd) | vs centralised (mean ± sd) |")
     print("|---|---|---|---|---|")
     by_h: dict[str, dict] = {}
     ratios: dict[str, list[float]] = {
         "ratio": [], "solo_over_centralised": [], "overlap_over_plain": []
     }  # fmt: skip
+    per_h: dict[str, list[float]] = {}
     over_plain: dict[int, list[float]] = {}
     for H in args.inner_steps:
         finals = [results[(H, s)]["final"] for s in args.seeds]
@@ -444,7 +540,7 @@ def main() -> None:
             rel = [f[name] / f["centralised"] for f in finals] if "centralised" in finals[0] else []
             m, sd = mean_std(ppl)
             cell = f"{mean_std(rel)[0]:.3f} ± {mean_std(rel)[1]:.3f}" if rel else "-"
-            print(f"| {H} | {T // H} | {name} | {m:.1f} ± {sd:.1f} | {cell} |")
+            print(f"| {H} | {args.steps_by_h[H] // H} | {name} | {m:.1f} ± {sd:.1f} | {cell} |")
             summary[name] = {"mean": round(m, 3), "sd": round(sd, 3),
                              "seeds": [round(p, 3) for p in ppl]}  # fmt: skip
             if rel:
@@ -452,8 +548,10 @@ def main() -> None:
                 summary[name]["vs_centralised_sd"] = round(mean_std(rel)[1], 4)
                 if name == diloco:
                     ratios["ratio"].extend(rel)
+                    per_h[f"ratio_h{H}"] = rel
                 if name == solo:
                     ratios["solo_over_centralised"].extend(rel)
+                    per_h[f"solo_h{H}"] = rel
         if H in over_plain:
             summary[overlapped[H]]["over_plain"] = round(mean_std(over_plain[H])[0], 4)
             summary[overlapped[H]]["over_plain_sd"] = round(mean_std(over_plain[H])[1], 4)
@@ -464,20 +562,25 @@ def main() -> None:
         print("|---|---|---|---|")
         for H, values in over_plain.items():
             m, sd = mean_std(values)
-            print(f"| {H} | {T // H} | {taus[H]} | {m:.4f} ± {sd:.4f} |")
+            print(f"| {H} | {args.steps_by_h[H] // H} | {taus[H]} | {m:.4f} ± {sd:.4f} |")
     result = {
         "benchmark": "quality",
         "model": "tiny",
         "sites": S,
         "batch_per_site": B,
+        "regime": args.regime,
         "inner_steps": args.inner_steps,
-        "optimiser_steps": T,
-        "tokens": tokens,
+        "optimiser_steps": {str(H): T for H, T in args.steps_by_h.items()},
+        "tokens": {str(H): n for H, n in tokens.items()},
+        "epochs": {str(H): results[(H, args.seeds[0])]["epochs"] for H in args.inner_steps},
         "seeds": args.seeds,
         "outer": {label: asdict(cfg) for label, cfg in outers},
         "wire": {"global": args.global_dtype, "delta": args.delta_dtype},
         "warmup_steps": args.warmup_steps,
         "min_lr_factor": args.min_lr_factor,
+        "weight_decay": args.weight_decay,
+        "adam_state": args.adam_state,
+        "outer_run": results[cells[0]]["outer_run"],
         "by_h": by_h,
         "curves": {f"H={H} seed={s}": v["curves"] for (H, s), v in results.items()},
         "train_s": {f"H={H} seed={s}": v["train_s"] for (H, s), v in results.items()},
@@ -492,6 +595,8 @@ def main() -> None:
         }
     for key, values in ratios.items():  # mean over seeds and H values
         result[key] = round(mean_std(values)[0], 4) if values else None
+    for key, values in per_h.items():  # mean over seeds at one H
+        result[key] = round(mean_std(values)[0], 4)
     print(json.dumps(result))
 
 

@@ -145,6 +145,7 @@ class OuterStepReport:
     contributors: int
     eta_used: float
     tokens: int
+    beta_used: float = 0.0
     shares: list[float] = field(default_factory=list)
     applied: bool = False
 
@@ -439,7 +440,8 @@ def outer_step(
             _apply(plan, w, momentum[name], ds, fresh)
             del ds
     return OuterStepReport(
-        contributors=len(live), eta_used=eta, tokens=total, shares=shares, applied=True
+        contributors=len(live), eta_used=eta, beta_used=beta, tokens=total, shares=shares,
+        applied=True
     )
 
 
@@ -557,5 +559,6 @@ def stream_outer_step(
             emit(name, w, b)
             del w, b
     return OuterStepReport(
-        contributors=len(live), eta_used=eta, tokens=sum(counts), shares=shares, applied=True
+        contributors=len(live), eta_used=eta, beta_used=beta, tokens=sum(counts),
+        shares=shares, applied=True
     )

@@ -16,6 +16,7 @@ from bench.quality import (
     interleave,
     overlap_name,
     overlap_tau,
+    regime_steps,
     site_windows,
 )
 from crossfed.darl.blockspace import BlockSpace
@@ -132,3 +133,52 @@ def test_a_lossless_wire_makes_a_lone_site_centralised_training_and_bf16_does_no
         not torch.allclose(workflow.master[k], w, rtol=1e-4, atol=1e-6)
         for k, w in central.master.items()
     )
+
+
+def test_leases_past_one_epoch_continue_with_the_next_epochs_permutation() -> None:
+    space = BlockSpace(40, 4, seed=9)  # 40 windows: one round of 3 sites x 2 x 10 is 1.5 epochs
+    plan = site_windows(space, sites=3, batch=2, steps=10, rounds=1)
+    trained = [w for lease in plan[0] for w in lease]
+    first, second = trained[:40], trained[40:]
+    assert sorted(first) == list(range(40))  # epoch 0: every window once
+    assert len(set(second)) == len(second) == 20  # epoch 1 starts: no window twice within it
+    epoch1 = [w for b in space.permutation(1) for w in space.block_windows(int(b))]
+    assert second == epoch1[:20]
+
+
+def test_regimes_give_the_workflows_h_over_40_rounds_and_the_papers_over_20() -> None:
+    assert regime_steps("long", None, None) == {25: 1000, 100: 2000}
+    assert regime_steps("short", None, None) == {3: 150, 5: 150}
+    assert regime_steps("long", [25], None) == {25: 1000}
+    assert regime_steps("long", [10, 20], [200]) == {10: 200, 20: 200}
+    assert regime_steps("long", [10, 20], [100, 200]) == {10: 100, 20: 200}
+    with pytest.raises(ValueError, match="not in the long regime"):
+        regime_steps("long", [7], None)
+    with pytest.raises(ValueError, match="not a whole number of rounds of H=7"):
+        regime_steps("long", [7], [100])
+    with pytest.raises(ValueError, match="one value or one per H"):
+        regime_steps("long", [5, 10, 20], [100, 200])
+
+
+def test_averaged_adam_state_is_the_sites_mean_and_the_outer_step_run_is_recorded(
+    tiny_data: Path,
+) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    plan = site_windows(BlockSpace(store.n_windows, 8, seed=5), SITES, BATCH, H, 1)
+    schedule = LRSchedule(peak_lr=3e-3, warmup_steps=1, total_steps=H)
+    cfg, vocab = InnerConfig(micro_batch=BATCH), store.vocab_size
+    kept = Run("diloco", store, vocab, 0, schedule, PRESETS["paper"], SITES, cfg)
+    averaged = Run("diloco", store, vocab, 0, schedule, PRESETS["paper"], SITES, cfg)
+    averaged.adam_state = "average"
+    kept.round(plan[0], H)
+    averaged.round(plan[0], H)
+    assert _same(kept.master, averaged.master)  # the same round; only the state differs after
+    kept_states = [list(opt.state.values()) for opt in kept.optimizers]
+    averaged_states = [list(opt.state.values()) for opt in averaged.optimizers]
+    for j in range(len(kept_states[0])):
+        for key in ("exp_avg", "exp_avg_sq"):
+            mean = torch.stack([states[j][key] for states in kept_states]).mean(0)
+            assert not torch.equal(kept_states[0][j][key], mean)  # kept: the sites' own differ
+            for states in averaged_states:
+                torch.testing.assert_close(states[j][key], mean)
+    assert kept.steps_run == {SITES: (0.7, 0.9)}  # the paper's step for three contributors
