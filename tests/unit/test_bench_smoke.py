@@ -4,7 +4,7 @@ documents. The figures of such small runs mean nothing; a bench that no longer r
 import or a signature it uses changed) fails here instead of when someone next measures.
 
 The benches that start whole Snakemake workflows run in tests/e2e/test_bench_smoke_e2e.py;
-bench/quality.py, bench/chaos.py and bench/multisite.py have tests of their own (ELSEWHERE).
+bench/chaos.py and bench/multisite.py have tests of their own (ELSEWHERE).
 A new bench/*.py needs an entry in SMOKES or WORKFLOW_SMOKES (or ELSEWHERE), or
 test_every_bench_has_a_smoke_test fails.
 """
@@ -89,6 +89,21 @@ SMOKES = [
         "--params 1000000 --repeat 1 --part-mb 1 --dir {tmp}",
         ("throughput_ratio", "cpu_efficiency_ratio", "peak_rss_ratio"),
     ),
+    Smoke(
+        "bench/quality.py",
+        "--vocab-size 512 --seq-len 32 --batch 1 --inner-steps 1 2 --steps 2 --seeds 0 "
+        "--eval-windows 4 --threads 1",
+        (
+            "ratio",
+            "solo_over_centralised",
+            "overlap_over_plain",
+            "ratio_h1",
+            "ratio_h2",
+            "solo_h1",
+            "solo_h2",
+            "outer_run",
+        ),  # fmt: skip
+    ),
 ]
 
 #: benches that start whole Snakemake workflows: tests/e2e/test_bench_smoke_e2e.py runs them
@@ -102,7 +117,6 @@ WORKFLOW_SMOKES = [
 
 #: benches with tests of their own, and those tests
 ELSEWHERE = {
-    "bench/quality.py": "tests/unit/test_quality_bench.py",
     "bench/chaos.py": "tests/e2e/test_chaos_short.py",
     "bench/multisite.py": "tests/e2e/test_multisite.py",
 }
