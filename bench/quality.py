@@ -15,11 +15,17 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
 
 * centralised: one model, batch 3*B, T AdamW steps;
 * DiLoCo 3 sites: three sites of batch B, H inner steps per round (R = T / H rounds), the
-  outer step of ``--outer`` (a preset of ``crossfed.outer.PRESETS``: ``tuned``, the
-  workflow's default, or ``paper``, eta=0.7 and beta=0.9 with the solo full step; or
-  ``eta=E,beta=B[,solo=0|1]``), inner AdamW state kept per site across rounds;
-* FedAvg: the same with beta=0, eta=1 (the token-weighted mean of the site models);
+  outer step of ``--outer`` (a preset of ``crossfed.outer.PRESETS``: ``average``, the
+  workflow's default, eta=1 and beta=0 for any number of sites; ``tuned``, the default
+  before it, beta=0 and eta=1/sqrt(M); or ``paper``, eta=0.7 and beta=0.9 with the solo full
+  step; or ``eta=E,beta=B[,solo=0|1]``), inner AdamW state kept per site across rounds
+  (``--adam-state``: reset, or averaged over the sites at each merge, are levers to measure);
+* FedAvg: the same with beta=0, eta=1 (the token-weighted mean of the site models; with the
+  ``average`` preset it is the DiLoCo row itself, trained once);
 * DiLoCo 1 site: one site of batch 3*B with the same outer step as the DiLoCo row;
+* noise floor: a lone site with eta 1 and no momentum over a lossless (fp32) wire, which is
+  centralised training up to fp32 rounding: how far two runs that differ only in rounding
+  land apart, the spread any ratio here must beat to mean something;
 * DiLoCo 3 sites, overlap: the DiLoCo row with overlapped rounds (``crossfed.train.overlap``).
   Same sites, leases and outer step, but each site keeps its own weights across rounds: it
   sends round r-1's delta and at once trains round r's lease from those weights (the stale
@@ -35,15 +41,30 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
   et al. 2025, arXiv 2501.18512: theta <- alpha * theta + (1 - alpha) * merged, alpha from
   ``--overlap-alpha``, default 0.5).
 
-Each H of ``--inner-steps`` and each seed of ``--seeds`` (model seed s, block order 1234 + s)
-is one set of runs; the table gives mean and sample standard deviation over seeds. The last
-line is one JSON object: per-H summaries, and ``ratio`` (DiLoCo 3 sites / centralised) and
-``solo_over_centralised``, each the mean over seeds and H values (the paper's ratio is
-34.7 / 28.2 = 1.23), and ``overlap_over_plain`` (overlap row / DiLoCo 3 sites, the same
-mean) with ``overlap`` (rule, alpha, delay fraction, tau per H). Runs are deterministic: the
-same command prints the same figures.
+``--regime long`` (the default) is where users run: the workflow's H=25 over 40 rounds
+(1,000 steps) and the paper's H=100 over 20 (2,000 steps), about 0.7 and 1.3 epochs of the
+embedded corpus at B=4 (a lease past the end of the data continues with the next epoch's
+permutation, as DARL's epochs do); ``--regime short`` is H=3 and H=5 over 150 steps, minutes
+instead of an hour. ``--overlap-delay`` defaults to the workflow's ``overlap.max_stale`` (a
+quarter of the phase). Each H of ``--inner-steps`` and each seed of ``--seeds`` (model seed
+s, block order 1234 + s) is one set of runs; the table gives mean and sample standard
+deviation over seeds. The last line is one JSON object: per-H summaries, and ``ratio``
+(DiLoCo 3 sites / centralised) and ``solo_over_centralised``, each the mean over seeds and H
+values (the paper's ratio is 34.7 / 28.2 = 1.23), and ``overlap_over_plain`` (overlap row /
+DiLoCo 3 sites, the same mean) with ``overlap`` (rule, alpha, delay fraction, tau per H);
+per H, ``ratio_h<H>``, ``solo_h<H>`` and ``floor_h<H>`` (means over seeds); ``outer_run``,
+the (eta, beta) each row's outer steps ran with by number of contributors. Runs are
+deterministic on one machine: the same command prints the same figures.
 
-    .venv/bin/python bench/quality.py --threads 1 --jobs 3    # tens of minutes on 2 cores
+Where the bench differs from the workflow: every site leases exactly H steps of windows in
+every round (the workflow's round 1 is a probe of a quarter phase, and later leases follow
+each site's pace), sites train one after another in one process, and the overlap row's
+merged model arrives a fixed tau steps into the phase (the workflow's arrives when the merge
+is done, at most ``overlap.max_stale`` of the phase in).
+
+    .venv/bin/python bench/quality.py --threads 1 --jobs 3    # hours on 2 cores
+    .venv/bin/python bench/quality.py --threads 1 --jobs 3 --inner-steps 25   # H=25 only
+    .venv/bin/python bench/quality.py --regime short --outer tuned --threads 1 --jobs 3
     .venv/bin/python bench/quality.py --outer paper tuned --variants centralised diloco
     .venv/bin/python bench/quality.py --outer paper --inner-steps 10 --steps 80 --batch 8 \
         --seeds 0 --global-dtype fp32                          # the issue-18 figures
@@ -64,7 +85,7 @@ from pathlib import Path
 import torch
 
 from crossfed.darl.blockspace import BlockSpace
-from crossfed.outer import PRESETS, OuterConfig, outer_step
+from crossfed.outer import DEFAULT_PRESET, PRESETS, OuterConfig, outer_step
 from crossfed.train.inner import (
     InnerConfig,
     LeaseWindows,
@@ -82,8 +103,11 @@ from crossfed.train.windows import WindowStore
 from crossfed.wire.deltas import delta_of
 
 PAPER_RATIO = 34.7 / 28.2
-VARIANTS = ("centralised", "diloco", "fedavg", "solo", "overlap")
-ADAM_STATES = ("keep", "reset", "average")
+FEDAVG = "FedAvg (beta=0, eta=1)"
+VARIANTS = ("centralised", "diloco", "fedavg", "solo", "overlap", "floor")
+#: the noise floor's row: a lone site, eta 1, no momentum, over a lossless wire
+FLOOR = "noise floor: 1 site, eta 1, fp32 wire"
+ADAM_STATES = ("keep", "reset", "average", "average-m", "average-v")
 #: H -> optimiser steps T of each named regime (R = T / H rounds)
 REGIMES: dict[str, dict[int, int]] = {
     "long": {25: 1000, 100: 2000},  # the workflow's H over 40 rounds, the paper's over 20
@@ -103,6 +127,7 @@ class Wire:
 
 
 WORKFLOW_WIRE = Wire()
+LOSSLESS = Wire(torch.float32, torch.float32)
 
 
 def site_windows(
@@ -176,8 +201,10 @@ class Run:
         self.steps_run[report.contributors] = (report.eta_used, report.beta_used)
         if self.adam_state == "reset":
             self.optimizers = [make_optimizer(self.model, self.inner, lr=0.0) for _ in deltas]
-        elif self.adam_state == "average" and len(self.optimizers) > 1:
-            average_adam_state(self.optimizers)
+        elif self.adam_state.startswith("average") and len(self.optimizers) > 1:
+            moments = {"average": ("exp_avg", "exp_avg_sq"), "average-m": ("exp_avg",),
+                       "average-v": ("exp_avg_sq",)}[self.adam_state]  # fmt: skip
+            average_adam_state(self.optimizers, moments)
 
     def round(self, leases: list[list[int]], steps: int) -> None:
         """Every site trains its lease from the global model; the outer step merges."""
@@ -217,11 +244,13 @@ class Run:
         return ppl
 
 
-def average_adam_state(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Every optimiser's AdamW moments become their mean over the optimisers (one lever the
+def average_adam_state(
+    optimizers: list[torch.optim.Optimizer], moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+) -> None:
+    """Every optimiser's AdamW ``moments`` become their mean over the optimisers (a lever the
     bench measures; the workflow keeps each site's own)."""
     for p in optimizers[0].state:
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in moments:
             mean = torch.stack([opt.state[p][key] for opt in optimizers]).mean(0)
             for opt in optimizers:
                 opt.state[p][key].copy_(mean)
@@ -378,17 +407,22 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
             runs[overlap_name(S, config, tau, tag)] = OverlapRun(
                 "overlap", store, vocab, seed, schedule, outer, S, site_cfg, config, tau, wire
             )
-    if "fedavg" in variants:
-        runs["FedAvg (beta=0, eta=1)"] = Run("fedavg", store, vocab, seed, schedule, fedavg, S,
-                                             site_cfg, wire)  # fmt: skip
-    for run in runs.values():
+    plain = runs.get(f"DiLoCo {S} sites{'' if len(outers) == 1 else f' [{outers[0][0]}]'}")
+    if "fedavg" in variants and plain is not None and plain.outer.preset == "average":
+        runs[FEDAVG] = plain  # the average preset is FedAvg: one run serves both rows
+    elif "fedavg" in variants:
+        runs[FEDAVG] = Run("fedavg", store, vocab, seed, schedule, fedavg, S, site_cfg, wire)
+    if "floor" in variants:  # centralised training up to fp32 rounding: the noise floor
+        runs[FLOOR] = Run("floor", store, vocab, seed, schedule, fedavg, 1, wide_cfg, LOSSLESS)
+    unique = list({id(run): run for run in runs.values()}.values())
+    for run in unique:
         run.adam_state = args.adam_state
     curves: dict[str, list[float]] = {name: [] for name in runs}
     every = args.eval_every or T
     for r in range(R):
         leases = plan[r]
         together = [interleave(leases, B)]
-        for run in runs.values():
+        for run in unique:
             run.round(together if len(run.optimizers) == 1 else leases, H)
         step = (r + 1) * H
         if step % every == 0 or r == R - 1:
@@ -447,10 +481,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="model seed s and data order 1234 + s")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--outer", nargs="+", type=parse_outer, default=[parse_outer("tuned")],
+    parser.add_argument("--outer", nargs="+", type=parse_outer,
+                        default=[parse_outer(DEFAULT_PRESET)],
                         help=f"outer step(s) of the DiLoCo rows: {sorted(PRESETS)} or "
                         "eta=E,beta=B[,solo=0|1]; the first one is the JSON's")  # fmt: skip
-    parser.add_argument("--overlap-delay", type=float, default=0.5,
+    parser.add_argument("--overlap-delay", type=float, default=0.25,
                         help="the overlap row's tau as a fraction F of H: max(1, round(F*H)), "
                         "at most H; 0: the merged model arrives before the first step")  # fmt: skip
     parser.add_argument("--overlap-rule", choices=RULES, default="rebase",
@@ -472,7 +507,7 @@ def main() -> None:
     )
     parser.add_argument("--adam-state", choices=ADAM_STATES, default="keep",
                         help="the sites' AdamW state at a merge: keep (the workflow's), reset, "
-                        "or average over the sites")  # fmt: skip
+                        "or average over the sites (both moments, or only m or v)")  # fmt: skip
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate every this many steps (0: at the end only)")  # fmt: skip
@@ -552,6 +587,8 @@ def main() -> None:
                 if name == solo:
                     ratios["solo_over_centralised"].extend(rel)
                     per_h[f"solo_h{H}"] = rel
+                if name == FLOOR:
+                    per_h[f"floor_h{H}"] = rel
         if H in over_plain:
             summary[overlapped[H]]["over_plain"] = round(mean_std(over_plain[H])[0], 4)
             summary[overlapped[H]]["over_plain_sd"] = round(mean_std(over_plain[H])[1], 4)

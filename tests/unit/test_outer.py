@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 
 from crossfed import outer
 from crossfed.outer import (
+    AVERAGE_STEP,
+    DEFAULT_PRESET,
     PRESETS,
     TUNED_BETA,
     TUNED_SOLO_ETA,
@@ -175,6 +177,52 @@ def test_tuned_preset_matches_torch_sgd_over_elastic_rounds(
     assert max_abs(master, start) > 0.1
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_average_preset_matches_torch_sgd_over_elastic_rounds(
+    kernel: str, small_blocks: None
+) -> None:
+    """The average preset (the default) is torch's SGD with lr=1 and no momentum on the
+    token-weighted pseudo-gradient: the master becomes the token-weighted mean of the site
+    models, for one contributor or many."""
+    gen = torch.Generator().manual_seed(2468)
+    master = make_master(gen)
+    start = clone(master)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in master.items()}
+    opt = torch.optim.SGD(params.values(), lr=1.0)
+    cfg = OuterConfig(preset="average", eta=0.7, beta=0.9)  # eta and beta are not used
+    assert (cfg.eta, cfg.beta) != AVERAGE_STEP == (1.0, 0.0)
+    momentum: dict[str, torch.Tensor] = {}
+    seen_k: set[int] = set()
+    worst = 0.0
+    for rnd in range(40):
+        k = 1 if rnd % 5 == 0 else int(torch.randint(1, 5, (1,), generator=gen))
+        seen_k.add(k)
+        before = clone(master)
+        deltas = [make_delta(gen) for _ in range(k)]
+        tokens = [int(n) for n in torch.randint(1, 10**6, (k,), generator=gen)]
+
+        report = outer_step(master, momentum, deltas, tokens, cfg, kernel=kernel)
+
+        shares = [n / sum(tokens) for n in tokens]
+        for name, p in params.items():
+            p.grad = -sum(d[name].float() * share for d, share in zip(deltas, shares, strict=True))
+        opt.step()
+        assert (report.eta_used, report.beta_used) == AVERAGE_STEP
+        worst = max(worst, max_abs(master, params))
+        for name, w in before.items():  # the mean of the site models w + delta_i
+            mean = sum((w + d[name].float()) * p for d, p in zip(deltas, shares, strict=True))
+            torch.testing.assert_close(master[name], mean, rtol=0, atol=PIN)
+    assert seen_k == {1, 2, 3, 4}
+    assert worst <= PIN, f"max |outer_step - torch SGD| = {worst:.3g}"
+    assert max_abs(master, start) > 0.1
+
+
+def test_the_default_preset_of_a_new_run_is_average() -> None:
+    assert DEFAULT_PRESET == "average"
+    assert PRESETS["average"].step_for([1.0]) == PRESETS["average"].step_for([0.2, 0.3, 0.5])
+    assert PRESETS["average"].step_for([0.5, 0.5]) == AVERAGE_STEP
+
+
 def test_tuned_preset_streams_the_same_step_and_refuses_an_unresolved_one() -> None:
     gen = torch.Generator().manual_seed(12)
     w0, deltas = make_master(gen), [make_delta(gen) for _ in range(3)]
@@ -190,7 +238,7 @@ def test_tuned_preset_streams_the_same_step_and_refuses_an_unresolved_one() -> N
     assert streamed_report.eta_used == report.eta_used < TUNED_SOLO_ETA  # 3 sites step less
     with pytest.raises(ValueError, match="not resolved"):
         outer_step(clone(w0), {}, deltas, tokens, OuterConfig(preset=None))
-    with pytest.raises(ValueError, match="preset must be 'paper' or 'tuned'"):
+    with pytest.raises(ValueError, match="preset must be one of 'average', 'paper', 'tuned'"):
         OuterConfig(preset="fast")  # type: ignore[arg-type]
 
 

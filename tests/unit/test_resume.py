@@ -56,14 +56,21 @@ def test_coordinator_extends_the_schedule_and_refuses_other_changes(
     assert Coordinator(tmp_path / "state").spec == longer  # the refusals changed nothing
 
 
-def test_an_unset_outer_preset_is_tuned_for_a_new_run_and_the_runs_own_on_a_rerun(
+def test_an_unset_outer_preset_is_average_for_a_new_run_and_the_runs_own_on_a_rerun(
     tmp_path: Path, tiny_data: Path
 ) -> None:
     unset = tiny_spec(tiny_data, outer=OuterConfig(preset=None))
     fresh = Coordinator(tmp_path / "fresh")
-    assert fresh.init_run(unset)["outer"]["preset"] == DEFAULT_PRESET == "tuned"
-    assert Coordinator(tmp_path / "fresh").spec.outer.preset == "tuned"  # stored resolved
+    assert fresh.init_run(unset)["outer"]["preset"] == DEFAULT_PRESET == "average"
+    assert Coordinator(tmp_path / "fresh").spec.outer.preset == "average"  # stored resolved
     assert fresh.init_run(unset)["created"] is False  # the same config again: no change
+
+    tuned = tiny_spec(tiny_data, outer=OuterConfig(preset="tuned"))  # the default before
+    before = Coordinator(tmp_path / "before")
+    before.init_run(tuned)
+    reply = before.init_run(unset)  # rerun with today's default config: keeps its own step
+    assert not reply["created"] and reply["outer"]["preset"] == "tuned"
+    assert Coordinator(tmp_path / "before").spec == tuned
 
     paper = tiny_spec(tiny_data)  # a run created with Eq. 1's fixed eta and beta
     assert paper.outer.preset == "paper"
