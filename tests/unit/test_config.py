@@ -326,3 +326,12 @@ def test_the_inline_limit_is_one_number_in_the_schema_the_shipped_config_and_the
     shipped = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert default == shipped["transport"]["inline_max_bytes"] == INLINE_MAX_BYTES == 2 * 1024**3
     assert load_run_config(None)["transport"]["inline_max_bytes"] == INLINE_MAX_BYTES
+
+
+def test_an_outer_preset_typo_is_refused_naming_it_and_the_presets() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_run_config(None, {"outer": {"preset": "averag"}})
+    message = str(info.value)
+    assert "outer/preset" in message and "'averag'" in message
+    assert all(name in message for name in ("average", "paper", "tuned"))
+    assert load_run_config(None, {"outer": {"preset": "average"}})["outer"]["preset"] == "average"
