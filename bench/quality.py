@@ -79,13 +79,20 @@ import json
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from crossfed.darl.blockspace import BlockSpace
-from crossfed.outer import DEFAULT_PRESET, PRESETS, OuterConfig, outer_step
+from crossfed.outer import (
+    AVERAGE_STEP,
+    DEFAULT_PRESET,
+    PRESETS,
+    TUNED_BETA,
+    OuterConfig,
+    outer_step,
+)
 from crossfed.train.inner import (
     InnerConfig,
     LeaseWindows,
@@ -365,6 +372,17 @@ def parse_outer(text: str) -> tuple[str, OuterConfig]:
         ) from None
 
 
+def outer_json(config: OuterConfig) -> dict:
+    """The outer step a preset runs, as the JSON names it: only the settings it uses."""
+    if config.preset == "average":
+        eta, beta = AVERAGE_STEP
+        return {"preset": "average", "eta": eta, "beta": beta}
+    if config.preset == "tuned":
+        return {"preset": "tuned", "eta": "1/sqrt(effective live sites)", "beta": TUNED_BETA}
+    return {"preset": config.preset, "eta": config.eta, "beta": config.beta,
+            "solo_full_step": config.solo_full_step}  # fmt: skip
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
     mean = sum(values) / len(values)
@@ -611,7 +629,7 @@ def main() -> None:
         "tokens": {str(H): n for H, n in tokens.items()},
         "epochs": {str(H): results[(H, args.seeds[0])]["epochs"] for H in args.inner_steps},
         "seeds": args.seeds,
-        "outer": {label: asdict(cfg) for label, cfg in outers},
+        "outer": {label: outer_json(cfg) for label, cfg in outers},
         "wire": {"global": args.global_dtype, "delta": args.delta_dtype},
         "warmup_steps": args.warmup_steps,
         "min_lr_factor": args.min_lr_factor,

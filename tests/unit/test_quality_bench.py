@@ -14,8 +14,10 @@ from bench.quality import (
     Run,
     Wire,
     interleave,
+    outer_json,
     overlap_name,
     overlap_tau,
+    parse_outer,
     regime_steps,
     site_windows,
 )
@@ -182,3 +184,12 @@ def test_averaged_adam_state_is_the_sites_mean_and_the_outer_step_run_is_recorde
             for states in averaged_states:
                 torch.testing.assert_close(states[j][key], mean)
     assert kept.steps_run == {SITES: (0.7, 0.9)}  # the paper's step for three contributors
+
+
+def test_the_json_names_only_the_settings_each_preset_steps_with() -> None:
+    assert outer_json(PRESETS["average"]) == {"preset": "average", "eta": 1.0, "beta": 0.0}
+    tuned = outer_json(PRESETS["tuned"])  # eta and beta of the config are not what it runs
+    assert tuned["preset"] == "tuned" and tuned["beta"] == 0.0 and "sqrt" in tuned["eta"]
+    assert outer_json(parse_outer("eta=0.4,beta=0.9,solo=0")[1]) == {
+        "preset": "paper", "eta": 0.4, "beta": 0.9, "solo_full_step": False
+    }  # fmt: skip
