@@ -101,6 +101,7 @@ SMOKES = [
             "ratio_h2",
             "solo_h1",
             "solo_h2",
+            "floor_h1",
             "outer_run",
         ),  # fmt: skip
     ),
