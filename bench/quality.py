@@ -197,8 +197,10 @@ class Run:
         self.optimizers = [make_optimizer(self.model, inner, lr=0.0) for _ in range(sites)]
         self.global_step = 0
         self.train_s = 0.0
-        #: what happens to the sites' AdamW state at a merge (the workflow keeps it)
-        self.adam_state = "keep"
+        #: what happens to the sites' AdamW state at a merge (the workflow keeps it), and at
+        #: every how many merges
+        self.adam_state, self.adam_every = "keep", 1
+        self.merges = 0
         #: the (eta, beta) each outer step ran with, by number of contributors
         self.steps_run: dict[int, tuple[float, float]] = {}
 
@@ -206,6 +208,9 @@ class Run:
         """The outer step, then the sites' AdamW state as ``adam_state`` says."""
         report = outer_step(self.master, self.momentum, deltas, tokens, self.outer)
         self.steps_run[report.contributors] = (report.eta_used, report.beta_used)
+        self.merges += 1
+        if self.merges % self.adam_every:
+            return
         if self.adam_state == "reset":
             self.optimizers = [make_optimizer(self.model, self.inner, lr=0.0) for _ in deltas]
         elif self.adam_state.startswith("average") and len(self.optimizers) > 1:
@@ -434,7 +439,7 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
         runs[FLOOR] = Run("floor", store, vocab, seed, schedule, fedavg, 1, wide_cfg, LOSSLESS)
     unique = list({id(run): run for run in runs.values()}.values())
     for run in unique:
-        run.adam_state = args.adam_state
+        run.adam_state, run.adam_every = args.adam_state, args.adam_every
     curves: dict[str, list[float]] = {name: [] for name in runs}
     every = args.eval_every or T
     for r in range(R):
@@ -523,9 +528,15 @@ def main() -> None:
         default=0.1,
         help="AdamW weight decay on matrices (inner.weight_decay)",
     )
-    parser.add_argument("--adam-state", choices=ADAM_STATES, default="keep",
-                        help="the sites' AdamW state at a merge: keep (the workflow's), reset, "
-                        "or average over the sites (both moments, or only m or v)")  # fmt: skip
+    parser.add_argument(
+        "--adam-state",
+        choices=ADAM_STATES,
+        default="keep",
+        help="the sites' AdamW state at a merge: keep (the workflow's), reset, "
+        "or average over the sites (both moments, or only m or v)",
+    )
+    parser.add_argument("--adam-every", type=int, default=1,
+                        help="apply --adam-state at every K-th merge (default: each)")  # fmt: skip
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate every this many steps (0: at the end only)")  # fmt: skip
@@ -533,6 +544,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="train the (H, seed) cells in this many processes")  # fmt: skip
     args = parser.parse_args()
+    if args.adam_every < 1:
+        parser.error(f"--adam-every must be a positive number of merges, got {args.adam_every}")
     try:
         args.steps_by_h = regime_steps(args.regime, args.inner_steps, args.steps)
     except ValueError as exc:

@@ -193,3 +193,27 @@ def test_the_json_names_only_the_settings_each_preset_steps_with() -> None:
     assert outer_json(parse_outer("eta=0.4,beta=0.9,solo=0")[1]) == {
         "preset": "paper", "eta": 0.4, "beta": 0.9, "solo_full_step": False
     }  # fmt: skip
+
+
+def test_adam_every_averages_only_at_every_kth_merge(tiny_data: Path) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    plan = site_windows(BlockSpace(store.n_windows, 8, seed=5), SITES, BATCH, H, 2)
+    schedule = LRSchedule(peak_lr=3e-3, warmup_steps=1, total_steps=2 * H)
+    cfg, vocab = InnerConfig(micro_batch=BATCH), store.vocab_size
+    run = Run("diloco", store, vocab, 0, schedule, PRESETS["average"], SITES, cfg)
+    run.adam_state, run.adam_every = "average-v", 2
+
+    def v_equal() -> bool:
+        states = [list(opt.state.values()) for opt in run.optimizers]
+        return all(
+            torch.equal(states[0][j]["exp_avg_sq"], other[j]["exp_avg_sq"])
+            for other in states[1:]
+            for j in range(len(states[0]))
+        )
+
+    run.round(plan[0], H)
+    assert not v_equal()  # merge 1 of 2: each site keeps its own second moment
+    run.round(plan[1], H)
+    assert v_equal()  # merge 2: averaged over the sites
+    m = [list(opt.state.values())[0]["exp_avg"] for opt in run.optimizers]
+    assert not torch.equal(m[0], m[1])  # average-v leaves the first moment alone
