@@ -142,55 +142,16 @@ def test_matches_torch_sgd_nesterov_over_elastic_rounds(kernel: str, small_block
     assert max_abs(master, start) > 0.1  # the pin compares models that really moved
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_tuned_preset_matches_torch_sgd_over_elastic_rounds(
-    kernel: str, small_blocks: None
+def _pin_without_momentum(
+    cfg: OuterConfig, seed: int, eta_of, kernel: str, each_round=None
 ) -> None:
-    """The tuned preset is torch's SGD with lr = TUNED_SOLO_ETA * sqrt(sum p_i^2) per round."""
-    gen = torch.Generator().manual_seed(4321)
-    master = make_master(gen)
-    start = clone(master)
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in master.items()}
-    opt = torch.optim.SGD(params.values(), lr=1.0, momentum=TUNED_BETA, nesterov=TUNED_BETA > 0)
-    cfg = OuterConfig(preset="tuned", eta=0.7, beta=0.9)  # eta and beta are not used
-    momentum: dict[str, torch.Tensor] = {}
-    seen_k: set[int] = set()
-    worst = 0.0
-    for rnd in range(40):
-        k = 1 if rnd % 5 == 0 else int(torch.randint(1, 5, (1,), generator=gen))
-        seen_k.add(k)
-        deltas = [make_delta(gen) for _ in range(k)]
-        tokens = [int(n) for n in torch.randint(1, 10**6, (k,), generator=gen)]
-
-        report = outer_step(master, momentum, deltas, tokens, cfg, kernel=kernel)
-
-        shares = [n / sum(tokens) for n in tokens]
-        want_eta = TUNED_SOLO_ETA * sum(p * p for p in shares) ** 0.5
-        for name, p in params.items():
-            p.grad = -sum(d[name].float() * share for d, share in zip(deltas, shares, strict=True))
-        opt.param_groups[0]["lr"] = want_eta
-        opt.step()
-        assert report.eta_used == pytest.approx(want_eta, rel=1e-12)
-        worst = max(worst, max_abs(master, params))
-    assert seen_k == {1, 2, 3, 4}
-    assert worst <= PIN, f"max |outer_step - torch SGD| = {worst:.3g}"
-    assert max_abs(master, start) > 0.1
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_average_preset_matches_torch_sgd_over_elastic_rounds(
-    kernel: str, small_blocks: None
-) -> None:
-    """The average preset (the default) is torch's SGD with lr=1 and no momentum on the
-    token-weighted pseudo-gradient: the master becomes the token-weighted mean of the site
-    models, for one contributor or many."""
-    gen = torch.Generator().manual_seed(2468)
+    """40 elastic rounds of ``cfg`` against torch's SGD without momentum at ``eta_of(shares)``
+    on the token-weighted pseudo-gradient; ``each_round(before, deltas, shares)`` checks more."""
+    gen = torch.Generator().manual_seed(seed)
     master = make_master(gen)
     start = clone(master)
     params = {k: torch.nn.Parameter(v.clone()) for k, v in master.items()}
     opt = torch.optim.SGD(params.values(), lr=1.0)
-    cfg = OuterConfig(preset="average", eta=0.7, beta=0.9)  # eta and beta are not used
-    assert (cfg.eta, cfg.beta) != AVERAGE_STEP == (1.0, 0.0)
     momentum: dict[str, torch.Tensor] = {}
     seen_k: set[int] = set()
     worst = 0.0
@@ -204,17 +165,49 @@ def test_average_preset_matches_torch_sgd_over_elastic_rounds(
         report = outer_step(master, momentum, deltas, tokens, cfg, kernel=kernel)
 
         shares = [n / sum(tokens) for n in tokens]
+        want_eta = eta_of(shares)
         for name, p in params.items():
             p.grad = -sum(d[name].float() * share for d, share in zip(deltas, shares, strict=True))
+        opt.param_groups[0]["lr"] = want_eta
         opt.step()
-        assert (report.eta_used, report.beta_used) == AVERAGE_STEP
+        assert report.eta_used == pytest.approx(want_eta, rel=1e-12)
+        assert report.beta_used == 0.0
         worst = max(worst, max_abs(master, params))
-        for name, w in before.items():  # the mean of the site models w + delta_i
-            mean = sum((w + d[name].float()) * p for d, p in zip(deltas, shares, strict=True))
-            torch.testing.assert_close(master[name], mean, rtol=0, atol=PIN)
+        if each_round is not None:
+            each_round(before, deltas, shares, master)
     assert seen_k == {1, 2, 3, 4}
     assert worst <= PIN, f"max |outer_step - torch SGD| = {worst:.3g}"
     assert max_abs(master, start) > 0.1
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_tuned_preset_matches_torch_sgd_over_elastic_rounds(
+    kernel: str, small_blocks: None
+) -> None:
+    """The tuned preset is torch's SGD with lr = TUNED_SOLO_ETA * sqrt(sum p_i^2) per round."""
+    assert TUNED_BETA == 0.0  # so torch's SGD without momentum is the reference
+    cfg = OuterConfig(preset="tuned", eta=0.7, beta=0.9)  # eta and beta are not used
+    _pin_without_momentum(
+        cfg, 4321, lambda shares: TUNED_SOLO_ETA * sum(p * p for p in shares) ** 0.5, kernel
+    )
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_average_preset_matches_torch_sgd_over_elastic_rounds(
+    kernel: str, small_blocks: None
+) -> None:
+    """The average preset (the default) is torch's SGD with lr=1 and no momentum on the
+    token-weighted pseudo-gradient: the master becomes the token-weighted mean of the site
+    models, for one contributor or many."""
+    cfg = OuterConfig(preset="average", eta=0.7, beta=0.9)  # eta and beta are not used
+    assert (cfg.eta, cfg.beta) != AVERAGE_STEP == (1.0, 0.0)
+
+    def is_the_mean(before, deltas, shares, master) -> None:
+        for name, w in before.items():  # the mean of the site models w + delta_i
+            mean = sum((w + d[name].float()) * p for d, p in zip(deltas, shares, strict=True))
+            torch.testing.assert_close(master[name], mean, rtol=0, atol=PIN)
+
+    _pin_without_momentum(cfg, 2468, lambda shares: 1.0, kernel, is_the_mean)
 
 
 def test_the_default_preset_of_a_new_run_is_average() -> None:
