@@ -122,7 +122,14 @@ class InFlight:
             raise self.error
         return time.perf_counter() - t0
 
-    def stop(self) -> None:
-        """Stop waiting for the merge (the job ends); the send, if running, finishes first."""
+    def stop(self, timeout_s: float = 120.0) -> None:
+        """Stop waiting for the merge (the job ends); the send, if running, finishes first, and
+        so does a download already under way: the thread has ended when this returns. (A
+        daemon thread still inside torch or safetensors when the interpreter exits aborts
+        the process: "terminate called without an active exception".)"""
         self._stop.set()
         self.sent.wait()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("%s in-flight thread still running %.0fs after the job's end",
+                        site_prefix(self.control.site, self.round), timeout_s)  # fmt: skip
