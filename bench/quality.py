@@ -430,11 +430,11 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
             runs[overlap_name(S, config, tau, tag)] = OverlapRun(
                 "overlap", store, vocab, seed, schedule, outer, S, site_cfg, config, tau, wire
             )
-    plain = runs.get(f"DiLoCo {S} sites{'' if len(outers) == 1 else f' [{outers[0][0]}]'}")
-    if "fedavg" in variants and plain is not None and plain.outer.preset == "average":
-        runs[FEDAVG] = plain  # the average preset is FedAvg: one run serves both rows
-    elif "fedavg" in variants:
-        runs[FEDAVG] = Run("fedavg", store, vocab, seed, schedule, fedavg, S, site_cfg, wire)
+    if "fedavg" in variants:  # the average preset is FedAvg: one run serves both rows
+        runs[FEDAVG] = next(
+            (r for r in runs.values() if r.name == "diloco" and r.outer.preset == "average"),
+            None,
+        ) or Run("fedavg", store, vocab, seed, schedule, fedavg, S, site_cfg, wire)
     if "floor" in variants:  # centralised training up to fp32 rounding: the noise floor
         runs[FLOOR] = Run("floor", store, vocab, seed, schedule, fedavg, 1, wide_cfg, LOSSLESS)
     unique = list({id(run): run for run in runs.values()}.values())

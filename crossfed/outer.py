@@ -35,7 +35,7 @@ import operator
 import threading
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -62,7 +62,7 @@ _FUSED_MAX_CONTRIBUTORS = 4 * _FUSED_ARITY
 
 
 Preset = Literal["average", "paper", "tuned"]
-PRESET_NAMES: tuple[str, ...] = ("average", "paper", "tuned")
+PRESET_NAMES: tuple[str, ...] = get_args(Preset)
 #: the preset of a new run whose config leaves ``outer.preset`` unset
 DEFAULT_PRESET: Preset = "average"
 

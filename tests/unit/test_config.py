@@ -335,3 +335,11 @@ def test_an_outer_preset_typo_is_refused_naming_it_and_the_presets() -> None:
     assert "outer/preset" in message and "'averag'" in message
     assert all(name in message for name in ("average", "paper", "tuned"))
     assert load_run_config(None, {"outer": {"preset": "average"}})["outer"]["preset"] == "average"
+
+
+def test_the_schema_offers_exactly_the_outer_presets_the_code_runs() -> None:
+    from crossfed.outer import PRESET_NAMES
+
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    enum = schema["properties"]["outer"]["properties"]["preset"]["enum"]
+    assert sorted(x for x in enum if x is not None) == sorted(PRESET_NAMES)
