@@ -114,7 +114,13 @@ FEDAVG = "FedAvg (beta=0, eta=1)"
 VARIANTS = ("centralised", "diloco", "fedavg", "solo", "overlap", "floor")
 #: the noise floor's row: a lone site, eta 1, no momentum, over a lossless wire
 FLOOR = "noise floor: 1 site, eta 1, fp32 wire"
-ADAM_STATES = ("keep", "reset", "average", "average-m", "average-v")
+#: the --adam-state choices that average AdamW moments over the sites, and which moments
+ADAM_AVERAGES: dict[str, tuple[str, ...]] = {
+    "average": ("exp_avg", "exp_avg_sq"),
+    "average-m": ("exp_avg",),
+    "average-v": ("exp_avg_sq",),
+}
+ADAM_STATES = ("keep", "reset", *ADAM_AVERAGES)
 #: H -> optimiser steps T of each named regime (R = T / H rounds)
 REGIMES: dict[str, dict[int, int]] = {
     "long": {25: 1000, 100: 2000},  # the workflow's H over 40 rounds, the paper's over 20
@@ -213,10 +219,8 @@ class Run:
             return
         if self.adam_state == "reset":
             self.optimizers = [make_optimizer(self.model, self.inner, lr=0.0) for _ in deltas]
-        elif self.adam_state.startswith("average") and len(self.optimizers) > 1:
-            moments = {"average": ("exp_avg", "exp_avg_sq"), "average-m": ("exp_avg",),
-                       "average-v": ("exp_avg_sq",)}[self.adam_state]  # fmt: skip
-            average_adam_state(self.optimizers, moments)
+        elif self.adam_state in ADAM_AVERAGES and len(self.optimizers) > 1:
+            average_adam_state(self.optimizers, ADAM_AVERAGES[self.adam_state])
 
     def round(self, leases: list[list[int]], steps: int) -> None:
         """Every site trains its lease from the global model; the outer step merges."""
