@@ -177,6 +177,13 @@ class DeltaBody(BaseModel):
     idle_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
+class ComposeBody(BaseModel):
+    #: the blobs to join, in order (each a key: "blake3:<hex>", "sha256:<hex>")
+    parts: list[Annotated[str, Field(min_length=64, max_length=80)]] = Field(
+        min_length=1, max_length=1024
+    )
+
+
 def create_app(
     coordinator: Coordinator,
     tokens: Tokens,
@@ -569,6 +576,29 @@ def _add_blob_routes(app: FastAPI, api: _Api) -> None:
         A blob is private to the site that uploads it. The same bytes again are answered
         as a finished upload; other bytes under a stored key are refused with 409."""
         return await api.store_body(who, check_key(key), request, offset, total)
+
+    @app.post("/v1/blobs/{key}/compose")
+    async def compose_blob(key: BLOB_KEY, body: ComposeBody, who: Caller) -> dict[str, Any]:
+        """Join the caller's uploaded ``parts`` (byte ranges sent over several connections)
+        into blob ``key``; the parts must hash to it together, and are deleted once joined."""
+        key = check_key(key)
+        parts = [check_key(part) for part in body.parts]
+        for part in parts:
+            if who != ADMIN and who not in await run(coordinator.blob_holders, part):
+                if coordinator.blobs.exists(part):
+                    raise CoordinatorError(
+                        403, "forbidden", f"part {part} is not an upload of {who}'s"
+                    )
+                raise CoordinatorError(404, "unknown_blob", f"part {part} is not stored")
+        holders = set() if who == ADMIN else await run(coordinator.blob_holders, key)
+        if who != ADMIN and not holders:
+            await run(coordinator.hold_blob, key, who)  # before the first byte is kept
+        state = await coordinator.blobs.compose(key, parts)
+        if who != ADMIN:
+            if who not in holders:  # another site's blob: the parts proved the same bytes
+                await run(coordinator.hold_blob, key, who)
+            await run(coordinator.drop_parts, parts, who, key)
+        return state
 
     @app.get("/v1/blobs/{key}/state")
     async def blob_state(key: BLOB_KEY, who: Caller) -> dict[str, Any]:

@@ -316,6 +316,49 @@ class BlobStore:
             )
         return self.upload_state(key)
 
+    # ------------------------------------------------------------------ joining
+    async def compose(self, key: str, parts: list[str]) -> dict[str, Any]:
+        """Blob ``key`` as the concatenation of complete blobs ``parts`` (an upload sent as
+        byte ranges over several connections), copied in chunks and checked against
+        ``key``; a stored ``key`` is answered as complete once the parts are shown to hash
+        to it. Returns :meth:`upload_state`."""
+        key = check_key(key)
+        parts = [check_key(part) for part in parts]
+        if missing := [part for part in parts if not self.exists(part)]:
+            raise BlobError(
+                f"cannot join {key}: part(s) {missing} are not stored; upload them first",
+                404,
+                "unknown_blob",
+                missing=missing,
+            )
+        upload = self._uploads.setdefault(key, _Upload())
+        async with upload.lock:
+            stored = self.exists(key)
+            out = None if stored else self._part_path(key)
+            try:
+                actual = await asyncio.to_thread(
+                    _concatenate, [self.path(part) for part in parts], out, key
+                )
+            except FileNotFoundError as exc:  # a part pruned while being read
+                raise BlobError(
+                    f"cannot join {key}: a part vanished ({exc.filename}); upload it again",
+                    404,
+                    "unknown_blob",
+                ) from exc
+            if actual != key:
+                if out is not None:
+                    out.unlink(missing_ok=True)
+                raise BlobError(
+                    f"the parts join to {actual}, not {key}", 422, "digest_mismatch", offset=0
+                )
+            if out is not None:
+                target = self.path(key)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                replace_durably(out, target)
+        if self._uploads.get(key) is upload and not upload.lock.locked():
+            del self._uploads[key]
+        return self.upload_state(key)
+
     # ------------------------------------------------------------------ retention
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
@@ -391,3 +434,26 @@ def _hash_prefix(part: Path, key: str, size: int) -> Hasher:
                 hasher.update(chunk)
                 left -= len(chunk)
     return hasher
+
+
+def _concatenate(parts: list[Path], out: Path | None, key: str) -> str:
+    """Hash ``parts`` in order (the digest algorithm of ``key``), writing them to ``out``
+    (fsynced) unless it is None; returns the ``algo:hex`` digest."""
+    algo, _ = parse_digest(key)
+    hasher = new_hasher(algo)
+    fd = None if out is None else os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for part in parts:
+            with open(part, "rb", buffering=0) as handle:
+                while chunk := handle.read(CHUNK):
+                    hasher.update(chunk)
+                    if fd is not None:
+                        view = memoryview(chunk)
+                        while view:
+                            view = view[os.write(fd, view) :]
+        if fd is not None:
+            os.fsync(fd)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return f"{algo}:{hasher.hexdigest()}"

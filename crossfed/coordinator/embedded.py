@@ -74,12 +74,27 @@ def coordinator_url(config: dict[str, Any]) -> str:
 
 
 def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorClient:
-    """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``."""
+    """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``
+    over ``transport.streams`` connections (a site's own ``streams`` first)."""
     from crossfed.coordinator.http_client import CoordinatorClient
     from crossfed.wire.digests import PART_BYTES
 
-    kwargs.setdefault("part_bytes", config.get("transport", {}).get("part_bytes", PART_BYTES))
+    transport = config.get("transport", {})
+    kwargs.setdefault("part_bytes", transport.get("part_bytes", PART_BYTES))
+    kwargs.setdefault("streams", site_streams(config, who))
     return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
+
+
+def site_streams(config: dict[str, Any], who: str) -> int:
+    """Connections per large transfer of ``who``: its sites-file ``streams``, else the
+    config's ``transport.streams`` (1 where neither is set)."""
+    default = int(config.get("transport", {}).get("streams", 1))
+    if who == "admin" or "sites_file" not in config:
+        return default
+    from crossfed.config import load_sites
+
+    site = load_sites(config).get(who)
+    return default if site is None or site.streams is None else site.streams
 
 
 def free_port(host: str) -> int:

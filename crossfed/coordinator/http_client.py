@@ -22,6 +22,7 @@ import httpx
 
 from crossfed.fileio import create_temp_beside, replace_durably
 from crossfed.wire.digests import (
+    CHUNK,
     PART_BYTES,
     DigestError,
     Hasher,
@@ -62,6 +63,8 @@ INLINE_FALLBACK_STATUS = {408, 413}
 MISMATCH_RETRIES = 3
 #: downloaded bytes handed to the writer thread at once
 SINK_BATCH = 8 << 20
+#: the fewest bytes worth a connection of their own (smaller blobs use fewer streams)
+STREAM_MIN_BYTES = 16 << 20
 
 
 class Refused(Exception):
@@ -88,24 +91,49 @@ class CoordinatorClient:
         retry_budget_s: float = 120.0,
         sleep: Callable[[float], None] = time.sleep,
         part_bytes: int = PART_BYTES,
+        streams: int = 1,
+        stream_min_bytes: int = STREAM_MIN_BYTES,
     ) -> None:
         if part_bytes < 1:
             raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         self.url = url.rstrip("/")
         self.retry_budget_s = retry_budget_s
         self.sleep = sleep
         self.part_bytes = part_bytes
-        self.http = httpx.Client(
+        self.streams, self.stream_min_bytes = streams, max(1, stream_min_bytes)
+        self._new_http = lambda: httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
         )
+        self.http = self._new_http()
+        self._stream_http: list[httpx.Client] = []  # one connection per parallel stream
 
     def close(self) -> None:
         self.http.close()
+        for http in self._stream_http:
+            http.close()
+
+    def streams_for(self, size: int) -> int:
+        """How many connections a blob of ``size`` bytes moves over: ``streams``, fewer when
+        each would carry less than ``stream_min_bytes``."""
+        return max(1, min(self.streams, size // self.stream_min_bytes))
+
+    def _stream_clients(self, n: int) -> list[httpx.Client]:
+        while len(self._stream_http) < n:
+            self._stream_http.append(self._new_http())
+        return self._stream_http[:n]
 
     def _request(
-        self, method: str, path: str, *, retry_status: set[int] = RETRY_STATUS, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        retry_status: set[int] = RETRY_STATUS,
+        http: httpx.Client | None = None,
+        **kwargs: Any,
     ) -> httpx.Response:
         deadline = time.monotonic() + self.retry_budget_s
         delay = 0.2
@@ -114,7 +142,7 @@ class CoordinatorClient:
             if factory is not None:
                 kwargs["content"] = factory()
             try:
-                response = self.http.request(method, path, **kwargs)
+                response = (http or self.http).request(method, path, **kwargs)
             except httpx.TransportError as exc:
                 error: Exception = exc
             else:
@@ -208,32 +236,70 @@ class CoordinatorClient:
         key = _key(key)
         return self._download(f"/v1/blobs/{key}", dest, f"blob {key}", expected=key)
 
-    def blob_state(self, key: str) -> dict[str, Any]:
+    def blob_state(self, key: str, http: httpx.Client | None = None) -> dict[str, Any]:
         """Whether blob ``key`` is complete and the ``offset`` its upload resumes at."""
-        return self.get(f"/v1/blobs/{_key(key)}/state")
+        path = f"/v1/blobs/{_key(key)}/state"
+        return self._request("GET", path, retry_status=JSON_RETRY_STATUS, http=http).json()
 
     def upload_blob(self, path: Path, key: str | None = None) -> str:
         """PUT a file into the blob store in parts; resumable, idempotent, retried.
 
         ``key`` is the file's digest if already known (the writer computed it); otherwise
-        it is computed here (BLAKE3).
+        it is computed here (BLAKE3). A file large enough for several streams goes as that
+        many byte ranges, each its own blob uploaded over its own connection (and resumed
+        on its own), which the coordinator then joins into ``key`` (checking the digest).
         """
         key = _key(key) if key is not None else digest_file(path)
         size = path.stat().st_size
+        n = self.streams_for(size)
+        if n == 1:
+            return self._upload_range(self.http, path, key, 0, size)
+        if self.blob_state(key)["complete"]:
+            return key
+        algo = parse_digest(key)[0]
+        spans = split_spans(size, n)
+        clients = self._stream_clients(n)
+
+        def send(i: int) -> str:
+            start, end = spans[i]
+            part = digest_file(path, algo, start, end)
+            return self._upload_range(clients[i], path, part, start, end)
+
+        for attempt in range(MISMATCH_RETRIES + 1):
+            with ThreadPoolExecutor(n, thread_name_prefix="crossfed-upload") as pool:
+                parts = list(pool.map(send, range(n)))
+            try:
+                self.post(f"/v1/blobs/{key}/compose", {"parts": parts})
+                return key
+            except Refused as exc:
+                # a part pruned before the join is sent again; other refusals are final
+                if exc.code != "unknown_blob" or attempt == MISMATCH_RETRIES:
+                    if exc.code == "digest_mismatch":
+                        raise IntegrityError(
+                            f"{path}: its {n} parts do not join to {key}; is the file "
+                            "changing while it is sent?"
+                        ) from exc
+                    raise
+                log.warning("joining %s: %s; sending its parts again", path.name, exc)
+        raise AssertionError("unreachable")
+
+    def _upload_range(self, http: httpx.Client, path: Path, key: str, start: int, end: int) -> str:
+        """Upload bytes ``[start, end)`` of ``path`` as blob ``key`` over ``http``."""
+        size = end - start
         mismatches = 0
-        state = self.blob_state(key)
+        state = self.blob_state(key, http)
         progress = _Progress(self.retry_budget_s)
         while not state["complete"]:
             offset = int(state["offset"])
-            end = min(size, offset + self.part_bytes)
+            stop = min(size, offset + self.part_bytes)
             if offset > size:
-                offset, end = 0, min(size, self.part_bytes)
+                offset, stop = 0, min(size, self.part_bytes)
             try:
-                response = self.http.put(
+                response = http.put(
                     f"/v1/blobs/{key}",
                     params={"offset": offset, "total": size},
-                    content=iter_chunks(path, offset, end),
-                    headers={"Content-Length": str(end - offset)},
+                    content=iter_chunks(path, start + offset, start + stop),
+                    headers={"Content-Length": str(stop - offset)},
                 )
             except httpx.TransportError as exc:
                 error: Exception = exc
@@ -252,8 +318,13 @@ class CoordinatorClient:
                         ) from error
                 elif response.status_code not in RESYNC_STATUS | RETRY_STATUS:
                     raise error
+                if response.status_code in RESYNC_STATUS:
+                    state = self.blob_state(key, http)
+                    if int(state["offset"]) > offset:  # cut short after some bytes: go on
+                        progress.advanced()
+                        continue
             progress.wait(self.sleep, f"upload of {path.name}", error)
-            state = self.blob_state(key)
+            state = self.blob_state(key, http)
         return key
 
     def submit_delta(
@@ -273,7 +344,7 @@ class CoordinatorClient:
         except Refused as exc:
             if exc.code != "unknown_blob":
                 raise
-        if inline:
+        if inline and self.streams_for(path.stat().st_size) == 1:  # else: parallel parts
             try:
                 return self._request(
                     "POST",
@@ -290,9 +361,14 @@ class CoordinatorClient:
         return self.post(f"/v1/rounds/{round_no}/deltas", body)
 
     def _download(self, url: str, dest: Path, what: str, expected: str | None = None) -> Path:
-        """GET ``url`` in ranges of ``part_bytes`` into ``dest``, hashing as bytes arrive."""
+        """GET ``url`` in ranges of ``part_bytes`` into ``dest``, hashing as bytes arrive
+        (over several connections when ``streams`` > 1 and the file is large enough)."""
         if dest.exists():
             return dest
+        if self.streams > 1:
+            size, digest = self._probe(url, what, expected)
+            if self.streams_for(size) > 1:
+                return self._download_parallel(url, dest, what, size, digest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = create_temp_beside(dest, suffix=".part", mode=0o644)
         progress = _Progress(self.retry_budget_s)
@@ -344,6 +420,81 @@ class CoordinatorClient:
         sink.close()
         replace_durably(tmp, dest)
         return dest
+
+    def _probe(self, url: str, what: str, expected: str | None) -> tuple[int, str]:
+        """The size and digest of the file at ``url`` (from a one-byte range)."""
+        response = self._request("GET", url, headers={"Range": "bytes=0-0"})
+        try:
+            digest = canonical_digest(response.headers.get("X-Content-Digest", ""))
+        except DigestError as exc:
+            raise IntegrityError(f"{what}: bad digest header: {exc}") from exc
+        if expected is not None and digest != expected:
+            raise IntegrityError(f"{what}: the server names it {digest}")
+        size = int(response.headers.get("X-Content-Size", "0")) or _range_total(response)
+        return size, digest
+
+    def _download_parallel(self, url: str, dest: Path, what: str, size: int, digest: str) -> Path:
+        """GET ``url`` as ``streams`` byte spans over as many connections, each written in
+        place as it arrives and resumed on its own; the whole is digest-checked at the end."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = create_temp_beside(dest, suffix=".part", mode=0o644)
+        spans = split_spans(size, self.streams_for(size))
+        clients = self._stream_clients(len(spans))
+
+        def fetch(i: int) -> None:
+            self._fetch_span(clients[i], url, fd, spans[i], what, digest)
+
+        try:
+            os.ftruncate(fd, size)
+            with ThreadPoolExecutor(len(spans), thread_name_prefix="crossfed-download") as pool:
+                list(pool.map(fetch, range(len(spans))))
+            os.fsync(fd)
+            if digest_file(tmp, parse_digest(digest)[0]) != digest:
+                raise IntegrityError(f"{what}: the bytes received do not match {digest}")
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        replace_durably(tmp, dest)
+        return dest
+
+    def _fetch_span(
+        self, http: httpx.Client, url: str, fd: int, span: tuple[int, int], what: str, digest: str
+    ) -> None:
+        """Bytes ``[start, end)`` of ``url`` into ``fd`` at their offsets, in ranges of
+        ``part_bytes``; a range cut short resumes from the bytes written."""
+        position, end = span
+        progress = _Progress(self.retry_budget_s)
+        while position < end:
+            stop = min(end, position + self.part_bytes) - 1
+            try:
+                with http.stream("GET", url, headers={"Range": f"bytes={position}-{stop}"}) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        raise _refusal(r)
+                    if r.headers.get("X-Content-Digest") != digest or r.status_code != 206:
+                        raise IntegrityError(f"{what} changed while it was fetched")
+                    for chunk in r.iter_raw():
+                        chunk = chunk[: stop + 1 - position]
+                        _write_all(fd, chunk, position)
+                        position += len(chunk)
+                progress.advanced()
+            except httpx.TransportError as exc:
+                progress.wait(self.sleep, f"download of {what}", exc)
+            except Refused as exc:
+                if exc.status not in RETRY_STATUS:
+                    raise
+                progress.wait(self.sleep, f"download of {what}", exc)
+
+
+def split_spans(size: int, n: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of ``n`` contiguous spans covering ``size`` bytes, as even as whole
+    ``CHUNK``s allow (the last takes the rest)."""
+    chunks = -(-size // CHUNK)
+    n = max(1, min(n, chunks))
+    bounds = [min(size, (chunks * i // n) * CHUNK) for i in range(n)] + [size]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
 class _Sink:

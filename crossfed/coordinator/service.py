@@ -381,6 +381,21 @@ class Coordinator:
         with self.lock, store.Transaction(self.conn):
             store.add_blob_holder(self.conn, key, site)
 
+    def drop_parts(self, parts: list[str], site: str, keep: str) -> list[str]:
+        """Delete the parts of a joined upload that only ``site`` holds and no delta refers
+        to (not ``keep``, the joined blob); returns the keys deleted."""
+        deleted = []
+        for part in dict.fromkeys(check_key(p) for p in parts):
+            if part != keep and self.blob_holders(part) == {site}:
+                with self.lock:
+                    if store.delta_owner(self.conn, [part, part.removeprefix("sha256:")]):
+                        continue
+                    self.blobs.delete(part)
+                    with store.Transaction(self.conn):
+                        store.forget_blob_holders(self.conn, [part])
+                deleted.append(part)
+        return deleted
+
     def _may_use_blob(self, site: str | None, key: str) -> bool:
         """Whether ``site`` (None: the admin) may see or submit blob ``key``."""
         if site is None:

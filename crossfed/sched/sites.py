@@ -60,6 +60,7 @@ class SiteConfig(Mapping[str, Any]):
     slowdown: float = 1.0  # local simulation only
     min_step_s: float = 0.0  # local simulation only
     transport: str = "direct"
+    streams: int | None = None  # None: the config's transport.streams
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -163,7 +164,9 @@ def parse_site(name: str, raw: Any) -> SiteConfig:
         "slowdown",
         "min_step_s",
         "transport",
+        "streams",
     }
+    streams = raw.get("streams")
     return SiteConfig(
         name=name,
         ranks=_num(_need(raw, "ranks", where), "ranks", where, integer=True, minimum=1),
@@ -185,6 +188,9 @@ def parse_site(name: str, raw: Any) -> SiteConfig:
         slowdown=float(_num(raw.get("slowdown", 1.0), "slowdown", where, minimum=1)),
         min_step_s=float(_num(raw.get("min_step_s", 0.0), "min_step_s", where)),
         transport=str(raw.get("transport", "direct")),
+        streams=None
+        if streams is None
+        else _num(streams, "streams", where, integer=True, minimum=1),
         extra={k: v for k, v in raw.items() if k not in known},
         raw=dict(raw),
     )

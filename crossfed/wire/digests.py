@@ -70,14 +70,24 @@ def canonical_digest(text: str) -> str:
     return f"{algo}:{hexdigest}"
 
 
-def digest_file(path: Path, algo: str = DEFAULT_ALGO) -> str:
-    """``algo:hex`` digest of a file, read in large chunks."""
+def digest_file(
+    path: Path, algo: str = DEFAULT_ALGO, start: int = 0, end: int | None = None
+) -> str:
+    """``algo:hex`` digest of a file (or of its bytes ``[start, end)``), read in large chunks."""
     hasher = new_hasher(algo)
     with open(path, "rb", buffering=0) as handle:
+        handle.seek(start)
+        left = None if end is None else end - start
         buffer = bytearray(CHUNK)
         view = memoryview(buffer)
-        while n := handle.readinto(buffer):
+        while left is None or left > 0:
+            want = CHUNK if left is None else min(CHUNK, left)
+            n = handle.readinto(view[:want])
+            if not n:
+                break
             hasher.update(view[:n])
+            if left is not None:
+                left -= n
     return f"{algo}:{hasher.hexdigest()}"
 
 

@@ -18,20 +18,18 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import uvicorn
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from crossfed.coordinator.app import Tokens, create_app
 from crossfed.coordinator.blobs import BlobError, BlobStore, check_key
 from crossfed.coordinator.embedded import client_for, start_embedded, stop_embedded
 from crossfed.coordinator.http_client import CoordinatorClient, IntegrityError, Refused, Unreachable
 from crossfed.coordinator.http_ranged import RangeError, parse_range
-from crossfed.coordinator.service import Coordinator
 from crossfed.wire.deltas import delta_of, save_delta
 from crossfed.wire.digests import DigestError, canonical_digest, digest_file, parse_digest
 from crossfed.wire.tensors import TensorSpec, open_tensors, save_stream, save_tensors
 from tests.helpers.fake_coordinator import FakeCoordinator, blake
+from tests.helpers.live_app import Server
 
 MiB = 1 << 20
 
@@ -414,41 +412,6 @@ def test_refusals_other_than_resync_ones_surface(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- real server
-class Server:
-    """The coordinator app in this process (uvicorn on a thread), without a run."""
-
-    def __init__(self, state_dir: Path, max_request_s: float) -> None:
-        self.coordinator = Coordinator(state_dir)
-        app = create_app(
-            self.coordinator,
-            Tokens("admin-token", {"lumi": "lumi-token"}),
-            max_request_s=max_request_s,
-        )
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-    def client(self, **kwargs) -> CoordinatorClient:
-        kwargs.setdefault("retry_budget_s", 20.0)
-        return CoordinatorClient(f"http://127.0.0.1:{self.port}", "lumi-token", **kwargs)
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
     with Server(tmp_path / "state", max_request_s=60.0) as live:
