@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the Debian 12 system packages crossfed's test suite needs: a real single-host
 # Slurm 22.05 cluster (slurmctld, slurmd, slurmdbd, client tools), munge, MariaDB for
-# accounting, and Chromium for the browser test.
+# accounting, squid (the real forward proxy of the proxy tests and bench/wan.py), and Chromium
+# for the browser test.
 #
 # Idempotent and non-interactive; packages already installed are skipped. Runs as root
 # (or through sudo when available). Services are not started by the install (a temporary
@@ -13,7 +14,7 @@
 #   --dry-run       print which packages would be installed and exit
 set -euo pipefail
 
-SLURM_PACKAGES=(slurmctld slurmd slurm-client slurmdbd mariadb-server munge)
+SERVICE_PACKAGES=(slurmctld slurmd slurm-client slurmdbd mariadb-server munge squid)
 CHROMIUM_PACKAGES=(chromium)
 
 with_chromium=1
@@ -43,7 +44,7 @@ if ! grep -qs '^VERSION_CODENAME=bookworm' /etc/os-release; then
     "$(. /etc/os-release 2>/dev/null && echo "${PRETTY_NAME:-unknown}")" >&2
 fi
 
-wanted=("${SLURM_PACKAGES[@]}")
+wanted=("${SERVICE_PACKAGES[@]}")
 if [[ $with_chromium -eq 1 ]]; then
   wanted+=("${CHROMIUM_PACKAGES[@]}")
 fi

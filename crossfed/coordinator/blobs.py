@@ -188,6 +188,7 @@ class BlobStore:
         batched = 0
         received = staged
         timed_out = False
+        broken: Exception | None = None
         hasher = upload.hasher
 
         def absorb(pieces: list[bytes]) -> None:
@@ -229,11 +230,17 @@ class BlobStore:
                             batch, batched = [], 0
             except TimeoutError:
                 timed_out = True
+            except BlobError:
+                raise
+            except Exception as exc:  # the body broke off (client gone, connection reset):
+                broken = exc  # what arrived is kept, so the upload resumes after it
             if pending is not None:
                 await pending
                 pending = None
             if batch:
                 await loop.run_in_executor(None, absorb, batch)
+            if broken is not None:
+                raise broken
             if total is None or upload.hashed >= total:  # parts in between are not fsynced:
                 await asyncio.to_thread(os.fsync, fd)  # the final digest check covers them
         finally:

@@ -118,8 +118,8 @@ class CoordinatorClient:
 
     def streams_for(self, size: int) -> int:
         """How many connections a blob of ``size`` bytes moves over: ``streams``, fewer when
-        each would carry less than ``stream_min_bytes``."""
-        return max(1, min(self.streams, size // self.stream_min_bytes))
+        each would carry less than ``stream_min_bytes`` or than one ``CHUNK``."""
+        return max(1, min(self.streams, size // self.stream_min_bytes, -(-size // CHUNK)))
 
     def _stream_clients(self, n: int) -> list[httpx.Client]:
         while len(self._stream_http) < n:
@@ -257,7 +257,7 @@ class CoordinatorClient:
         if self.blob_state(key)["complete"]:
             return key
         algo = parse_digest(key)[0]
-        spans = split_spans(size, n)
+        spans = split_spans(size, n)  # n spans: streams_for never asks for more than fit
         clients = self._stream_clients(n)
 
         def send(i: int) -> str:

@@ -9,7 +9,10 @@ through it sees what a long link does to one TCP stream:
   so one connection moves at most window / RTT, as one stream over a real long link with
   Linux's default 6 MiB receive window does (about 145 Mbit/s at 347 ms);
 * an aggregate rate cap per direction, shared by all the link's connections (the site's
-  uplink), as a pacing token bucket.
+  uplink), as a pacing token bucket;
+* optionally a lifetime: a connection older than ``lifetime_s`` is reset, as the load
+  balancer in front of OLCF's forward proxy reaps long-lived connections (squid's own
+  ``client_lifetime`` leaves ``CONNECT`` tunnels alone).
 
 This machine's ``tc`` has no ``netem``; the relay keeps its own clock. :data:`PAPER_LINKS`
 holds the paper's round-trip times (Table 3). Run one emulator process for a set of links
@@ -47,6 +50,7 @@ class Link:
     window_bytes: int = DEFAULT_WINDOW
     rate_mbit: float | None = None  # aggregate per direction; None: no cap
     listen_port: int = 0
+    lifetime_s: float | None = None  # connections are reset at this age; None: never
 
     def __post_init__(self) -> None:
         if self.rtt_ms < 0:
@@ -55,6 +59,8 @@ class Link:
             raise ValueError(f"link {self.name}: window_bytes must be >= 1")
         if self.rate_mbit is not None and self.rate_mbit <= 0:
             raise ValueError(f"link {self.name}: rate_mbit must be > 0 (or absent)")
+        if self.lifetime_s is not None and self.lifetime_s <= 0:
+            raise ValueError(f"link {self.name}: lifetime_s must be > 0 (or absent)")
 
     @property
     def stream_cap_bytes_s(self) -> float:
@@ -63,7 +69,8 @@ class Link:
 
 
 def parse_link(text: str) -> Link:
-    """``name,target=HOST:PORT,rtt_ms=R[,window=BYTES][,rate_mbit=M][,listen=PORT]``."""
+    """``name,target=HOST:PORT,rtt_ms=R[,window=BYTES][,rate_mbit=M][,listen=PORT]
+    [,lifetime_s=S]``."""
     name, *pairs = text.split(",")
     fields: dict[str, str] = {}
     for pair in pairs:
@@ -71,7 +78,7 @@ def parse_link(text: str) -> Link:
         if not sep:
             raise ValueError(f"link {text!r}: {pair!r} is not key=value")
         fields[key.strip()] = value.strip()
-    known = {"target", "rtt_ms", "window", "rate_mbit", "listen"}
+    known = {"target", "rtt_ms", "window", "rate_mbit", "listen", "lifetime_s"}
     if unknown := set(fields) - known:
         raise ValueError(
             f"link {text!r}: unknown setting(s) {sorted(unknown)}; use {sorted(known)}"
@@ -90,6 +97,7 @@ def parse_link(text: str) -> Link:
         window_bytes=int(fields.get("window", DEFAULT_WINDOW)),
         rate_mbit=float(fields["rate_mbit"]) if "rate_mbit" in fields else None,
         listen_port=int(fields.get("listen", 0)),
+        lifetime_s=float(fields["lifetime_s"]) if "lifetime_s" in fields else None,
     )
 
 
@@ -178,6 +186,8 @@ class Emulator:
         self.servers: list[asyncio.Server] = []
         self.ports: dict[str, int] = {}
         self.connections = 0
+        self.reaped = 0
+        self.relays: set[asyncio.Task[None]] = set()
 
     async def start(self) -> dict[str, int]:
         for link in self.links:
@@ -201,6 +211,10 @@ class Emulator:
         client_writer: asyncio.StreamWriter,
     ) -> None:
         self.connections += 1
+        relay = asyncio.current_task()
+        assert relay is not None
+        self.relays.add(relay)
+        relay.add_done_callback(self.relays.discard)
         try:
             server_reader, server_writer = await asyncio.open_connection(
                 link.target_host, link.target_port
@@ -216,19 +230,32 @@ class Emulator:
             asyncio.create_task(inbound.read_side(server_reader)),
             asyncio.create_task(inbound.write_side(client_writer)),
         ]
+        reaped = False
         try:
-            await asyncio.gather(*tasks)
+            _, pending = await asyncio.wait(tasks, timeout=link.lifetime_s)
+            if pending:
+                reaped = True
+                self.reaped += 1
         except asyncio.CancelledError:
             pass  # the emulator is stopping: drop the connection
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for writer in (client_writer, server_writer):
-                writer.close()
+                if reaped:
+                    writer.transport.abort()  # a reset, as a reaping load balancer sends
+                else:
+                    writer.close()
 
     async def close(self) -> None:
         for server in self.servers:
             server.close()
+        relays = list(self.relays)
+        for relay in relays:
+            relay.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+        for server in self.servers:
             await server.wait_closed()
 
 
@@ -252,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         "--link",
         action="append",
         required=True,
-        help="name,target=HOST:PORT[,rtt_ms=R][,window=BYTES][,rate_mbit=M][,listen=PORT]; "
+        help="name,target=HOST:PORT[,rtt_ms=R][,window=BYTES][,rate_mbit=M][,listen=PORT]"
+        "[,lifetime_s=S]; "
         f"rtt_ms defaults to the paper's for {', '.join(PAPER_LINKS)}",
     )
     parser.add_argument("--rate-mbit", type=float, help="aggregate cap of every link without one")
@@ -290,6 +318,8 @@ class EmulatorProcess:
             text += f",rtt_ms={link.rtt_ms},window={link.window_bytes},listen={link.listen_port}"
             if link.rate_mbit is not None:
                 text += f",rate_mbit={link.rate_mbit}"
+            if link.lifetime_s is not None:
+                text += f",lifetime_s={link.lifetime_s}"
             cmd += ["--link", text]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None

@@ -20,7 +20,9 @@ SITE_TOKENS = {"lumi": "lumi-token", "frontier": "frontier-token"}
 class Server:
     """The coordinator app in this process (uvicorn on a thread), without a run."""
 
-    def __init__(self, state_dir: Path, max_request_s: float) -> None:
+    def __init__(
+        self, state_dir: Path, max_request_s: float, tls: tuple[Path, Path] | None = None
+    ) -> None:
         self.coordinator = Coordinator(state_dir)
         app = create_app(
             self.coordinator,
@@ -31,8 +33,16 @@ class Server:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="error",
+                ssl_certfile=None if tls is None else str(tls[0]),
+                ssl_keyfile=None if tls is None else str(tls[1]),
+            )
         )
+        self.scheme = "http" if tls is None else "https"
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> Server:
@@ -49,4 +59,5 @@ class Server:
 
     def client(self, site: str = "lumi", **kwargs) -> CoordinatorClient:
         kwargs.setdefault("retry_budget_s", 20.0)
-        return CoordinatorClient(f"http://127.0.0.1:{self.port}", SITE_TOKENS[site], **kwargs)
+        url = f"{self.scheme}://localhost:{self.port}"
+        return CoordinatorClient(url, SITE_TOKENS[site], **kwargs)

@@ -221,3 +221,17 @@ def test_the_blob_store_joins_parts_in_order(tmp_path: Path) -> None:
 
 async def _body(data: bytes):
     yield data
+
+
+@given(
+    size=st.integers(0, 40 * CHUNK),
+    streams=st.integers(1, 16),
+    min_bytes=st.sampled_from([1, MiB, CHUNK, 16 * MiB]),
+)
+def test_the_streams_a_blob_uses_are_the_spans_it_splits_into(
+    size: int, streams: int, min_bytes: int
+) -> None:
+    client = CoordinatorClient("http://x", "t", streams=streams, stream_min_bytes=min_bytes)
+    n = client.streams_for(size)
+    assert 1 <= n <= streams and len(split_spans(size, n)) == n
+    client.close()
