@@ -611,3 +611,30 @@ def test_the_configured_request_bound_reaches_a_real_coordinator_process(
     monkeypatch.setenv("CROSSFED_TOKEN", "t")
     config["transport"] = {}  # the default part size when the key is absent
     assert client_for({**config, "coordinator": {"url": url}}, "lumi").part_bytes == 64 * MiB
+
+
+def test_a_body_that_breaks_off_keeps_what_arrived(tmp_path: Path) -> None:
+    """A connection a proxy resets mid-part: every byte that arrived stays, so the upload
+    resumes right after it (not at the last 8 MiB batch)."""
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(3 * MiB + 17)
+    key = blake(data)
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield data[: 2 * MiB]
+        yield data[2 * MiB : 3 * MiB]
+        raise ConnectionResetError("the proxy reset the connection")
+
+    with pytest.raises(ConnectionResetError):
+        asyncio.run(store.write_part(key, broken(), total=len(data), max_bytes=1 << 30))
+    assert store.upload_state(key) == {
+        "key": key,
+        "complete": False,
+        "offset": 3 * MiB,
+        "bytes": None,
+    }
+    rest = body(data[3 * MiB :])
+    state = asyncio.run(
+        store.write_part(key, rest, offset=3 * MiB, total=len(data), max_bytes=1 << 30)
+    )
+    assert state["complete"] and store.path(key).read_bytes() == data
