@@ -34,6 +34,7 @@ import os
 import resource
 import shutil
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -58,9 +59,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # --------------------------------------------------------------------------- fixtures
-def write_model(path: Path, params: int | None) -> tuple[str, int, int]:
-    """A bf16 model file of the Qwen3-0.6B layout, tensor by tensor; (digest, bytes, tensors)."""
-    layout = scaled_layout("0.6B", params)
+def write_model(path: Path, params: int | None, flavour: str = "0.6B") -> tuple[str, int, int]:
+    """A bf16 model file of a Qwen3 flavour's layout (random values), tensor by tensor;
+    (digest, bytes, tensors)."""
+    layout = scaled_layout(flavour, params)
     specs = [TensorSpec(name, torch.bfloat16, shape) for name, shape in layout.items()]
     gen = torch.Generator().manual_seed(0)
 
@@ -133,17 +135,24 @@ def raw_tcp(size: int) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------- processes
-def start_coordinator(state_dir: Path, port: int) -> subprocess.Popen:
+def start_coordinator(
+    state_dir: Path, port: int, tls: tuple[Path, Path] | None = None
+) -> subprocess.Popen:
+    """``crossfed coordinator serve`` on ``port`` (HTTPS with ``tls``: certificate, key)."""
     cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir"]
     cmd += [str(state_dir), "--secrets", str(state_dir / "secrets.yaml"), "--port", str(port)]
+    if tls is not None:
+        cmd += ["--ssl-certfile", str(tls[0]), "--ssl-keyfile", str(tls[1])]
     log = open(state_dir / "coordinator.log", "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"{'http' if tls is None else 'https'}://localhost:{port}/v1/health"
+    verify = True if tls is None else ssl.create_default_context(cafile=str(tls[0]))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError((state_dir / "coordinator.log").read_text()[-3000:])
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1).status_code == 200:
+            if httpx.get(url, timeout=1, verify=verify).status_code == 200:
                 return proc
         except httpx.TransportError:
             time.sleep(0.2)

@@ -30,6 +30,7 @@ import subprocess
 import sys
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Any
 
 #: Linux's default largest TCP receive window (net.ipv4.tcp_rmem's maximum, 6 MiB)
 DEFAULT_WINDOW = 6 << 20
@@ -202,7 +203,16 @@ class Emulator:
             self.ports[link.name] = server.sockets[0].getsockname()[1]
         return self.ports
 
-    async def _relay(
+    async def _relay(self, *args: Any) -> None:
+        """One connection, relayed until either side ends it, the link reaps it or the
+        emulator stops (a relay must not end cancelled: Python 3.11's stream server then
+        reports the cancellation as an unhandled error)."""
+        try:
+            await self._relay_connection(*args)
+        except asyncio.CancelledError:
+            pass
+
+    async def _relay_connection(
         self,
         link: Link,
         up: Pacer,

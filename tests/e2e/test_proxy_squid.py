@@ -22,9 +22,9 @@ import pytest
 
 from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.testing.squid import Squid, squid_binary
+from crossfed.testing.tls import self_signed
 from crossfed.testing.wan_emulator import EmulatorProcess, Link
 from tests.helpers.live_app import SITE_TOKENS, Server
-from tests.unit.test_security import self_signed
 
 MiB = 1 << 20
 LIFETIME_S = 2.0  # the load balancer's reaping age

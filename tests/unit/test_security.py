@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import re
 import ssl
 import subprocess
@@ -20,6 +18,7 @@ from crossfed.coordinator.embedded import ensure_secrets, free_port
 from crossfed.coordinator.http_client import CoordinatorClient, Refused
 from crossfed.coordinator.service import Coordinator
 from crossfed.coordinator.status_page import session_value
+from crossfed.testing.tls import self_signed
 from crossfed.wire.digests import digest_file
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec
 from tests.unit.test_coordinator_http import delta_file, global_model, join_and_lease, submit
@@ -84,45 +83,6 @@ def _bearer(live: LiveCoordinator, who: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------ TLS
-def self_signed(tmp: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1/localhost and its key (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "crossfed test coordinator")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    key_path.chmod(0o600)
-    return cert_path, key_path
 
 
 def test_tls_with_a_self_signed_certificate(
