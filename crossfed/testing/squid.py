@@ -9,6 +9,7 @@ emulated link with a lifetime (:mod:`crossfed.testing.wan_emulator`) between sit
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -44,7 +45,9 @@ class Squid:
     def __init__(self) -> None:
         # its own folder under /tmp: squid running as root drops to its own user, which
         # must reach its logs (a test's tmp_path sits under a folder only root may enter)
-        self.dir = Path(tempfile.mkdtemp(prefix="crossfed-squid-"))
+        # (and TMPDIR may point under one too)
+        root = "/tmp" if os.geteuid() == 0 else None
+        self.dir = Path(tempfile.mkdtemp(prefix="crossfed-squid-", dir=root))
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
 

@@ -90,6 +90,11 @@ SMOKES = [
         ("throughput_ratio", "cpu_efficiency_ratio", "peak_rss_ratio"),
     ),
     Smoke(
+        "bench/wan.py",
+        "--params 2000000 --payloads 0.6B --links snellius frontier --streams 1 2 --dir {tmp}",
+        ("speedup_347ms", "round_s_0.6B_frontier", "round_s_0.6B_snellius", "runs"),
+    ),
+    Smoke(
         "bench/quality.py",
         "--vocab-size 512 --seq-len 32 --batch 1 --inner-steps 1 2 --steps 2 --seeds 0 "
         "--eval-windows 4 --threads 1",
