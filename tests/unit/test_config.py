@@ -343,3 +343,30 @@ def test_the_schema_offers_exactly_the_outer_presets_the_code_runs() -> None:
     schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
     enum = schema["properties"]["outer"]["properties"]["preset"]["enum"]
     assert sorted(x for x in enum if x is not None) == sorted(PRESET_NAMES)
+
+
+# ---------------------------------------------------------------------- transfer streams
+def test_transfer_streams_come_from_the_config_and_a_site_may_set_its_own(
+    tmp_path: Path,
+) -> None:
+    from crossfed.coordinator.embedded import client_for
+
+    sites = tmp_path / "sites.yaml"
+    sites.write_text(
+        yaml.safe_dump({"sites": {"frontier": {**SITE, "streams": 16}, "lumi": dict(SITE)}})
+    )
+    (tmp_path / "secrets.yaml").write_text(
+        yaml.safe_dump({"admin": "a", "sites": {"frontier": "f", "lumi": "l"}})
+    )
+    config = load_run_config(None, {"sites_file": str(sites)})
+    assert config["transport"]["streams"] == 8  # the default
+    config["coordinator"].update(url="http://127.0.0.1:9", secrets=str(tmp_path / "secrets.yaml"))
+    streams = {who: client_for(config, who).streams for who in ("frontier", "lumi", "admin")}
+    assert streams == {"frontier": 16, "lumi": 8, "admin": 8}
+    config["transport"]["streams"] = 2
+    assert client_for(config, "lumi").streams == 2
+    assert "sites/lumi/streams: 0 is less than the minimum of 1" in refused(
+        tmp_path, {"lumi": {**SITE, "streams": 0}}
+    )
+    with pytest.raises(ConfigError, match="transport/streams"):
+        load_run_config(None, {"transport": {"streams": 0}})
