@@ -82,6 +82,8 @@ def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorCl
     transport = config.get("transport", {})
     kwargs.setdefault("part_bytes", transport.get("part_bytes", PART_BYTES))
     kwargs.setdefault("streams", site_streams(config, who))
+    if "stream_min_bytes" in transport:
+        kwargs.setdefault("stream_min_bytes", transport["stream_min_bytes"])
     return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
 
 

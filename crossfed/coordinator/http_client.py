@@ -22,7 +22,6 @@ import httpx
 
 from crossfed.fileio import create_temp_beside, replace_durably
 from crossfed.wire.digests import (
-    CHUNK,
     PART_BYTES,
     DigestError,
     Hasher,
@@ -65,6 +64,8 @@ MISMATCH_RETRIES = 3
 SINK_BATCH = 8 << 20
 #: the fewest bytes worth a connection of their own (smaller blobs use fewer streams)
 STREAM_MIN_BYTES = 16 << 20
+#: spans start on multiples of this
+SPAN_ALIGN = 64 << 10
 
 
 class Refused(Exception):
@@ -118,8 +119,8 @@ class CoordinatorClient:
 
     def streams_for(self, size: int) -> int:
         """How many connections a blob of ``size`` bytes moves over: ``streams``, fewer when
-        each would carry less than ``stream_min_bytes`` or than one ``CHUNK``."""
-        return max(1, min(self.streams, size // self.stream_min_bytes, -(-size // CHUNK)))
+        each would carry less than ``stream_min_bytes`` or than one ``SPAN_ALIGN``."""
+        return max(1, min(self.streams, size // self.stream_min_bytes, -(-size // SPAN_ALIGN)))
 
     def _stream_clients(self, n: int) -> list[httpx.Client]:
         while len(self._stream_http) < n:
@@ -490,10 +491,10 @@ class CoordinatorClient:
 
 def split_spans(size: int, n: int) -> list[tuple[int, int]]:
     """``[start, end)`` of ``n`` contiguous spans covering ``size`` bytes, as even as whole
-    ``CHUNK``s allow (the last takes the rest)."""
-    chunks = -(-size // CHUNK)
-    n = max(1, min(n, chunks))
-    bounds = [min(size, (chunks * i // n) * CHUNK) for i in range(n)] + [size]
+    ``SPAN_ALIGN`` blocks allow (the last takes the rest)."""
+    blocks = -(-size // SPAN_ALIGN)
+    n = max(1, min(n, blocks))
+    bounds = [min(size, (blocks * i // n) * SPAN_ALIGN) for i in range(n)] + [size]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 

@@ -119,6 +119,11 @@ WORKFLOW_SMOKES = [
         "--rounds 1 --workdir {tmp}/runs",
         ("goodput_off", "goodput_on", "ppl_on_over_off_matched_tokens"),
     ),
+    Smoke(
+        "bench/wan_goodput.py",
+        "--rounds 1",
+        ("goodput_local", "goodput_wan_1", "goodput_wan_n", "runs"),
+    ),
 ]
 
 #: benches with tests of their own, and those tests

@@ -13,7 +13,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crossfed.coordinator.http_client import CoordinatorClient, IntegrityError, split_spans
+from crossfed.coordinator.http_client import (
+    SPAN_ALIGN,
+    CoordinatorClient,
+    IntegrityError,
+    split_spans,
+)
 from crossfed.wire.digests import CHUNK, digest_file
 from tests.helpers.fake_coordinator import blake
 from tests.helpers.live_app import Server
@@ -43,16 +48,16 @@ def record_requests(client: CoordinatorClient, n: int) -> list[list[httpx.Reques
     return seen
 
 
-@given(size=st.integers(0, 64 * CHUNK + 5), n=st.integers(1, 16))
+@given(size=st.integers(0, 64 * SPAN_ALIGN + 5), n=st.integers(1, 16))
 def test_spans_cover_the_blob_once_in_order_on_chunk_bounds(size: int, n: int) -> None:
     spans = split_spans(size, n)
     assert spans[0][0] == 0 and spans[-1][1] == size
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
     assert 1 <= len(spans) <= max(1, n)
-    assert all(start % CHUNK == 0 for start, _ in spans)
+    assert all(start % SPAN_ALIGN == 0 for start, _ in spans)
     if size:
         assert all(end > start for start, end in spans)  # no empty span
-        assert len(spans) == min(n, -(-size // CHUNK))
+        assert len(spans) == min(n, -(-size // SPAN_ALIGN))
 
 
 def test_a_large_blob_goes_up_and_down_as_spans_over_separate_connections(

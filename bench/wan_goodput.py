@@ -1,0 +1,158 @@
+"""Benchmark: goodput of the local three-site workflow behind a long, throttled link, one
+stream against N.
+
+``make run``'s workflow (the local profile, config/config.yaml and config/sites.yaml as
+committed, overlapped rounds on) runs three times in fresh run directories, each against
+its own standalone coordinator process (``crossfed coordinator serve``):
+
+* ``local``: the sites reach the coordinator over loopback, as ``make run``'s do;
+* ``wan_1`` and ``wan_n``: every site reaches it through the WAN emulator
+  (``crossfed.testing.wan_emulator``, an emulator, not a network) over one link with
+  Frontier's 347 ms round trip and a per-connection window of ``--window`` bytes (default
+  128 KiB: about 0.38 MB/s per connection, so the tiny model's 2.6 MB delta and global model
+  take seconds each on one stream, a real share of a phase), with ``transport.streams`` 1
+  and ``--streams`` N; ``transport.stream_min_bytes`` is lowered to 64 KiB so the tiny
+  model's transfers split at all (Qwen3-0.6B's 1.19 GB split under the default 16 MiB).
+
+Goodput is the report's (``final.json`` key ``goodput``): the sites' accepted compute
+seconds over the wall seconds of their site jobs. The last line printed is one JSON object:
+``goodput_local``, ``goodput_wan_1``, ``goodput_wan_n`` (target: ``goodput_wan_n`` >= 0.95
+where ``goodput_wan_1`` falls below it), and per run the held-out perplexity, the mean wait
+for a merged model and the workflow's seconds.
+
+    .venv/bin/python bench/wan_goodput.py               # three workflows, about 15 minutes
+    .venv/bin/python bench/wan_goodput.py --rounds 2    # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import yaml
+
+from crossfed.coordinator.embedded import ensure_secrets, free_port
+from crossfed.testing.wan_emulator import PAPER_LINKS, EmulatorProcess, Link
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def serve(state: Path, port: int) -> subprocess.Popen:
+    """A standalone coordinator on loopback ``port`` (plain HTTP), answering once up."""
+    cmd = [str(BIN / "crossfed"), "coordinator", "serve", "--state-dir", str(state),
+           "--secrets", str(state / "secrets.yaml"), "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=open(state / "coordinator.log", "ab"), stderr=subprocess.STDOUT, cwd=REPO
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit((state / "coordinator.log").read_text()[-3000:])
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1)
+            return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the coordinator did not start")
+
+
+def run_workflow(root: Path, link: Link | None, streams: int, rounds: int | None) -> dict:
+    """The local workflow in ``root`` against its own coordinator, through ``link`` (None:
+    over loopback); its figures."""
+    (root / "config").mkdir(parents=True)
+    state = root / "coordinator"
+    state.mkdir()
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
+    ensure_secrets(state / "secrets.yaml", list(sites["sites"]))
+    port = free_port("127.0.0.1")
+    coordinator = serve(state, port)
+    try:
+        relay = contextlib.nullcontext({}) if link is None else EmulatorProcess([_to(link, port)])
+        with relay as ports:
+            url_port = port if link is None else ports[link.name]
+            config["coordinator"].update(
+                url=f"http://127.0.0.1:{url_port}",
+                state_dir=str(state),
+                secrets=str(state / "secrets.yaml"),
+            )
+            config["transport"].update(streams=streams, stream_min_bytes=64 << 10)
+            if rounds:
+                config["rounds"] = rounds
+            (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            (root / "config" / "sites.yaml").write_text(yaml.safe_dump(sites, sort_keys=False))
+            env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "NO_PROXY": ""}
+            cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile",
+                   str(REPO / "profiles" / "local")]  # fmt: skip
+            t0 = time.monotonic()
+            with open(root / "snakemake.out", "wb") as log:
+                done = subprocess.run(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+            wall = time.monotonic() - t0
+    finally:
+        coordinator.terminate()
+        coordinator.wait(timeout=60)
+    if done.returncode != 0:
+        tail = (root / "snakemake.out").read_text(errors="replace")[-3000:]
+        raise SystemExit(f"the workflow ({link}, {streams} streams) failed:\n{tail}")
+    results = root / "results"
+    final = json.loads((results / "metrics" / "final.json").read_text())
+    site_rows = pd.read_csv(results / "metrics" / "sites.csv")
+    accepted = site_rows[site_rows["status"] == "accepted"]
+    return {
+        "goodput": round(final["goodput"], 4),
+        "val_perplexity": round(final["val_perplexity"], 2),
+        "rounds": final["rounds"],
+        "streams": streams,
+        "merge_wait_s": round(float(accepted.get("merge_wait_s", pd.Series([0.0])).mean()), 2),
+        "workflow_s": round(wall, 1),
+    }
+
+
+def _to(link: Link, port: int) -> Link:
+    return Link(link.name, "127.0.0.1", port, link.rtt_ms, link.window_bytes, link.rate_mbit)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="default: config.yaml's")
+    parser.add_argument("--streams", type=int, default=8, help="N")
+    parser.add_argument("--rtt-ms", type=float, default=PAPER_LINKS["frontier"])
+    parser.add_argument("--window", type=int, default=128 << 10)
+    args = parser.parse_args()
+    link = Link("wan", "127.0.0.1", 0, args.rtt_ms, args.window)
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="crossfed-wan-goodput-") as tmp:
+        for name, via, streams in (
+            ("local", None, 1),
+            ("wan_1", link, 1),
+            ("wan_n", link, args.streams),
+        ):
+            runs[name] = run_workflow(Path(tmp) / name, via, streams, args.rounds)
+            print(json.dumps({name: runs[name]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "wan_goodput",
+                "rtt_ms": args.rtt_ms,
+                "window_bytes": args.window,
+                "streams_n": args.streams,
+                **{f"goodput_{name}": run["goodput"] for name, run in runs.items()},
+                "runs": runs,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
