@@ -21,7 +21,7 @@ where ``goodput_wan_1`` falls below it), and per run the held-out perplexity, th
 for a merged model and the workflow's seconds.
 
     .venv/bin/python bench/wan_goodput.py               # three workflows, about 15 minutes
-    .venv/bin/python bench/wan_goodput.py --rounds 2    # smoke
+    .venv/bin/python bench/wan_goodput.py --rounds 1 --variants wan_1 wan_n   # smoke
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from crossfed.coordinator.embedded import ensure_secrets, free_port
 from crossfed.testing.wan_emulator import PAPER_LINKS, EmulatorProcess, Link
 
 REPO = Path(__file__).resolve().parent.parent
+#: the runs: over loopback, behind the link on one stream, behind it on N
+VARIANTS = ("local", "wan_1", "wan_n")
 BIN = Path(sys.executable).parent
 
 
@@ -129,15 +131,16 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8, help="N")
     parser.add_argument("--rtt-ms", type=float, default=PAPER_LINKS["frontier"])
     parser.add_argument("--window", type=int, default=128 << 10)
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="runs to make"
+    )
     args = parser.parse_args()
     link = Link("wan", "127.0.0.1", 0, args.rtt_ms, args.window)
+    plan = {"local": (None, 1), "wan_1": (link, 1), "wan_n": (link, args.streams)}
     runs = {}
     with tempfile.TemporaryDirectory(prefix="crossfed-wan-goodput-") as tmp:
-        for name, via, streams in (
-            ("local", None, 1),
-            ("wan_1", link, 1),
-            ("wan_n", link, args.streams),
-        ):
+        for name in args.variants:
+            via, streams = plan[name]
             runs[name] = run_workflow(Path(tmp) / name, via, streams, args.rounds)
             print(json.dumps({name: runs[name]}), flush=True)
     print(
@@ -147,7 +150,7 @@ def main() -> None:
                 "rtt_ms": args.rtt_ms,
                 "window_bytes": args.window,
                 "streams_n": args.streams,
-                **{f"goodput_{name}": run["goodput"] for name, run in runs.items()},
+                **{f"goodput_{name}": runs.get(name, {}).get("goodput") for name in VARIANTS},
                 "runs": runs,
             }
         )
