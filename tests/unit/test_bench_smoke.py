@@ -121,7 +121,7 @@ WORKFLOW_SMOKES = [
     ),
     Smoke(
         "bench/wan_goodput.py",
-        "--rounds 1 --variants wan_1 wan_n",
+        "--rounds 1 --variants wan_n",
         ("goodput_local", "goodput_wan_1", "goodput_wan_n", "runs"),
     ),
 ]
