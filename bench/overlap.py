@@ -37,16 +37,29 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+def committed_config() -> dict:
+    """config/config.yaml as committed."""
+    return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+
+
 def run_workflow(root: Path, overlap: dict, rounds: int | None, cores: int | None) -> dict:
     """One local workflow run in ``root`` with these ``overlap`` settings; its figures."""
-    (root / "config").mkdir(parents=True)
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = committed_config()
     config["overlap"] = {**(config.get("overlap") or {}), **overlap}
     if rounds:
         config["rounds"] = rounds
+    return run_local_workflow(root, config, f"overlap={overlap}", cores)
+
+
+def run_local_workflow(
+    root: Path, config: dict, what: str, cores: int | None = None, env: dict | None = None
+) -> dict:
+    """The local workflow in ``root`` with ``config`` and the committed sites file (extra
+    environment ``env``); its figures. A failed workflow ends the bench naming ``what``."""
+    (root / "config").mkdir(parents=True)
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     (root / "config" / "sites.yaml").write_text((REPO / "config" / "sites.yaml").read_text())
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **(env or {})}
     cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile",
            str(REPO / "profiles" / "local")]  # fmt: skip
     cmd += ["--cores", str(cores)] if cores else []
@@ -56,7 +69,7 @@ def run_workflow(root: Path, overlap: dict, rounds: int | None, cores: int | Non
     wall = time.monotonic() - t0
     if done.returncode != 0:
         tail = (root / "snakemake.out").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"the workflow with overlap={overlap} failed:\n{tail}")
+        raise SystemExit(f"the workflow with {what} failed:\n{tail}")
     results = root / "results"
     final = json.loads((results / "metrics" / "final.json").read_text())
     sites = pd.read_csv(results / "metrics" / "sites.csv")

@@ -36,6 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -123,10 +124,8 @@ def main() -> None:
         ]
         with squid, EmulatorProcess(links) as direct_ports:
             proxied = [
-                Link(f"{link.name}-proxy", "127.0.0.1", squid.port, link.rtt_ms,
-                     link.window_bytes, link.rate_mbit)
-                for link in links
-            ]  # fmt: skip
+                replace(link, name=f"{link.name}-proxy", target_port=squid.port) for link in links
+            ]
             with EmulatorProcess(proxied) as proxy_ports:
                 for payload in args.payloads:
                     model = work / f"{payload}.safetensors"
@@ -157,16 +156,11 @@ def main() -> None:
             coordinator.wait(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
 
-    def seconds(payload: str, link: str, streams: int, mode: str = "direct") -> float | None:
-        for run in runs:
-            if (run["payload"], run["link"], run["streams"], run["mode"]) == (
-                payload,
-                link,
-                streams,
-                mode,
-            ):
-                return run["round_s"]
-        return None
+    round_s = {(r["payload"], r["link"], r["streams"], r["mode"]): r["round_s"] for r in runs}
+
+    def seconds(payload: str, link: str, streams: int) -> float | None:
+        """The round's seconds of a direct run, None where it did not run."""
+        return round_s.get((payload, link, streams, "direct"))
 
     first = args.payloads[0]
     most = max(args.streams)

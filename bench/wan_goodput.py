@@ -29,100 +29,58 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
+from dataclasses import replace
 from pathlib import Path
 
-import httpx
-import pandas as pd
 import yaml
 
-from crossfed.coordinator.embedded import ensure_secrets, free_port
-from crossfed.testing.wan_emulator import PAPER_LINKS, EmulatorProcess, Link
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overlap import committed_config, run_local_workflow  # noqa: E402  (sibling benchmarks)
+from transport import start_coordinator  # noqa: E402
+
+from crossfed.coordinator.embedded import ensure_secrets, free_port  # noqa: E402
+from crossfed.testing import stop_process  # noqa: E402
+from crossfed.testing.wan_emulator import PAPER_LINKS, EmulatorProcess, Link  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 #: the runs: over loopback, behind the link on one stream, behind it on N
 VARIANTS = ("local", "wan_1", "wan_n")
-BIN = Path(sys.executable).parent
-
-
-def serve(state: Path, port: int) -> subprocess.Popen:
-    """A standalone coordinator on loopback ``port`` (plain HTTP), answering once up."""
-    cmd = [str(BIN / "crossfed"), "coordinator", "serve", "--state-dir", str(state),
-           "--secrets", str(state / "secrets.yaml"), "--port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=open(state / "coordinator.log", "ab"), stderr=subprocess.STDOUT, cwd=REPO
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit((state / "coordinator.log").read_text()[-3000:])
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1)
-            return proc
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the coordinator did not start")
 
 
 def run_workflow(root: Path, link: Link | None, streams: int, rounds: int | None) -> dict:
     """The local workflow in ``root`` against its own coordinator, through ``link`` (None:
     over loopback); its figures."""
-    (root / "config").mkdir(parents=True)
     state = root / "coordinator"
-    state.mkdir()
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    state.mkdir(parents=True)
     sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
     ensure_secrets(state / "secrets.yaml", list(sites["sites"]))
     port = free_port("127.0.0.1")
-    coordinator = serve(state, port)
+    coordinator = start_coordinator(state, port)
     try:
-        relay = contextlib.nullcontext({}) if link is None else EmulatorProcess([_to(link, port)])
+        relay = (
+            contextlib.nullcontext({})
+            if link is None
+            else EmulatorProcess([replace(link, target_port=port)])
+        )
         with relay as ports:
-            url_port = port if link is None else ports[link.name]
+            config = committed_config()
             config["coordinator"].update(
-                url=f"http://127.0.0.1:{url_port}",
+                url=f"http://127.0.0.1:{ports[link.name] if link else port}",
                 state_dir=str(state),
                 secrets=str(state / "secrets.yaml"),
             )
             config["transport"].update(streams=streams, stream_min_bytes=64 << 10)
             if rounds:
                 config["rounds"] = rounds
-            (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-            (root / "config" / "sites.yaml").write_text(yaml.safe_dump(sites, sort_keys=False))
-            env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "NO_PROXY": ""}
-            cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile",
-                   str(REPO / "profiles" / "local")]  # fmt: skip
-            t0 = time.monotonic()
-            with open(root / "snakemake.out", "wb") as log:
-                done = subprocess.run(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
-            wall = time.monotonic() - t0
+            what = f"{streams} stream(s) through {link}"
+            figures = run_local_workflow(root, config, what, env={"NO_PROXY": ""})
     finally:
-        coordinator.terminate()
-        coordinator.wait(timeout=60)
-    if done.returncode != 0:
-        tail = (root / "snakemake.out").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"the workflow ({link}, {streams} streams) failed:\n{tail}")
-    results = root / "results"
-    final = json.loads((results / "metrics" / "final.json").read_text())
-    site_rows = pd.read_csv(results / "metrics" / "sites.csv")
-    accepted = site_rows[site_rows["status"] == "accepted"]
-    return {
-        "goodput": round(final["goodput"], 4),
-        "val_perplexity": round(final["val_perplexity"], 2),
-        "rounds": final["rounds"],
-        "streams": streams,
-        "merge_wait_s": round(float(accepted.get("merge_wait_s", pd.Series([0.0])).mean()), 2),
-        "workflow_s": round(wall, 1),
-    }
-
-
-def _to(link: Link, port: int) -> Link:
-    return Link(link.name, "127.0.0.1", port, link.rtt_ms, link.window_bytes, link.rate_mbit)
+        stop_process(coordinator)
+    keep = ("val_perplexity", "rounds", "merge_wait_s", "workflow_s")
+    figures["goodput"] = round(figures["goodput"], 4)
+    return {"streams": streams, **{key: figures[key] for key in ("goodput", *keep)}}
 
 
 def main() -> None:

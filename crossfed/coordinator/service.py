@@ -386,14 +386,12 @@ class Coordinator:
         to (not ``keep``, the joined blob); returns the keys deleted."""
         deleted = []
         for part in dict.fromkeys(check_key(p) for p in parts):
-            if part != keep and self.blob_holders(part) == {site}:
-                with self.lock:
-                    if store.delta_owner(self.conn, [part, part.removeprefix("sha256:")]):
-                        continue
-                    self.blobs.delete(part)
-                    with store.Transaction(self.conn):
-                        store.forget_blob_holders(self.conn, [part])
-                deleted.append(part)
+            if part == keep or self.blob_holders(part) != {site} or self.delta_site(part):
+                continue
+            with self.lock, store.Transaction(self.conn):
+                self.blobs.delete(part)
+                store.forget_blob_holders(self.conn, [part])
+            deleted.append(part)
         return deleted
 
     def _may_use_blob(self, site: str | None, key: str) -> bool:

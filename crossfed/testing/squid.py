@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from crossfed.testing import stop_process
+
 CONFIG = """\
 http_port 127.0.0.1:{port}
 acl CONNECT method CONNECT
@@ -97,11 +99,6 @@ class Squid:
         return [line for line in lines if " CONNECT " in line]
 
     def __exit__(self, *_: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
+from crossfed.testing import stop_process
+
 #: Linux's default largest TCP receive window (net.ipv4.tcp_rmem's maximum, 6 MiB)
 DEFAULT_WINDOW = 6 << 20
 #: bytes moved per read
@@ -342,9 +344,4 @@ class EmulatorProcess:
 
     def __exit__(self, *_: object) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, timeout_s=10)

@@ -75,19 +75,8 @@ def digest_file(
 ) -> str:
     """``algo:hex`` digest of a file (or of its bytes ``[start, end)``), read in large chunks."""
     hasher = new_hasher(algo)
-    with open(path, "rb", buffering=0) as handle:
-        handle.seek(start)
-        left = None if end is None else end - start
-        buffer = bytearray(CHUNK)
-        view = memoryview(buffer)
-        while left is None or left > 0:
-            want = CHUNK if left is None else min(CHUNK, left)
-            n = handle.readinto(view[:want])
-            if not n:
-                break
-            hasher.update(view[:n])
-            if left is not None:
-                left -= n
+    for chunk in iter_chunks(path, start, end):
+        hasher.update(chunk)
     return f"{algo}:{hasher.hexdigest()}"
 
 
