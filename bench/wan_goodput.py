@@ -92,11 +92,19 @@ def main() -> None:
     parser.add_argument(
         "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="runs to make"
     )
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="make the runs in this folder and keep them"
+    )
     args = parser.parse_args()
     link = Link("wan", "127.0.0.1", 0, args.rtt_ms, args.window)
     plan = {"local": (None, 1), "wan_1": (link, 1), "wan_n": (link, args.streams)}
     runs = {}
-    with tempfile.TemporaryDirectory(prefix="crossfed-wan-goodput-") as tmp:
+    folder = (
+        contextlib.nullcontext(str(args.keep))
+        if args.keep
+        else tempfile.TemporaryDirectory(prefix="crossfed-wan-goodput-")
+    )
+    with folder as tmp:
         for name in args.variants:
             via, streams = plan[name]
             runs[name] = run_workflow(Path(tmp) / name, via, streams, args.rounds)

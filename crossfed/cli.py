@@ -155,7 +155,7 @@ def _write_json(path: str | None, data: Any) -> None:
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from crossfed.coordinator.app import Tokens, create_app
+    from crossfed.coordinator.app import KEEP_ALIVE_S, Tokens, create_app
     from crossfed.coordinator.service import Coordinator
     from crossfed.wire.libc import keep_stream_buffers_in_heap
 
@@ -170,7 +170,14 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     ssl = {}
     if args.ssl_certfile:
         ssl = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **ssl)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_keep_alive=KEEP_ALIVE_S,
+        **ssl,
+    )
     return 0
 
 

@@ -59,6 +59,16 @@ BLOB_KEY = Annotated[str, PathParam(min_length=1, max_length=200, description="t
 ROUND = Annotated[int, PathParam(ge=-MAX_INT, le=MAX_INT)]
 GENERATION = Annotated[int, PathParam(ge=-MAX_INT, le=MAX_INT)]
 LEASE_ID = Annotated[int, PathParam(ge=-MAX_INT, le=MAX_INT)]
+#: seconds an idle connection stays open (uvicorn's default is 5): a site's streams idle
+#: for a phase between its transfers, and across a long link a new one costs round trips
+KEEP_ALIVE_S = 75
+#: the longest a status long poll waits: below proxies' idle timeouts and the 30 s a client
+#: commonly gives a request
+MAX_STATUS_WAIT_S = 25.0
+#: how often a status long poll looks at the open round
+STATUS_POLL_TICK_S = 0.05
+#: a blob key in a body: "blake3:<hex>", "sha256:<hex>"
+PART_KEY = Annotated[str, Field(min_length=64, max_length=80)]
 
 
 def _json_safe(value: Any) -> Any:
@@ -175,13 +185,13 @@ class DeltaBody(BaseModel):
     compute_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     #: seconds the site held the lease waiting for a merge (overlapped rounds)
     idle_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    #: the blob's parts to join into it first (as ``/v1/blobs/{key}/compose`` does)
+    parts: list[PART_KEY] | None = Field(default=None, min_length=1, max_length=1024)
 
 
 class ComposeBody(BaseModel):
-    #: the blobs to join, in order (each a key: "blake3:<hex>", "sha256:<hex>")
-    parts: list[Annotated[str, Field(min_length=64, max_length=80)]] = Field(
-        min_length=1, max_length=1024
-    )
+    #: the blobs to join, in order
+    parts: list[PART_KEY] = Field(min_length=1, max_length=1024)
 
 
 def create_app(
@@ -391,6 +401,29 @@ class _Api:
         if holders and who not in holders:
             raise CoordinatorError(403, "forbidden", f"blob {key} is another site's")
 
+    async def compose(self, who: str, key: str, parts: list[str]) -> dict[str, Any]:
+        """Join ``who``'s uploaded ``parts`` into blob ``key`` (a part that is not the
+        caller's is 403, a missing one 404 ``unknown_blob``, bytes that do not hash to
+        ``key`` 422); the parts are deleted once joined."""
+        coordinator = self.coordinator
+        parts = [check_key(part) for part in parts]
+        for part in parts:
+            if who != ADMIN and who not in await run(coordinator.blob_holders, part):
+                if coordinator.blobs.exists(part):
+                    raise CoordinatorError(
+                        403, "forbidden", f"part {part} is not an upload of {who}'s"
+                    )
+                raise CoordinatorError(404, "unknown_blob", f"part {part} is not stored")
+        holders = set() if who == ADMIN else await run(coordinator.blob_holders, key)
+        if who != ADMIN and not holders:
+            await run(coordinator.hold_blob, key, who)  # before the first byte is kept
+        state = await coordinator.blobs.compose(key, parts)
+        if who != ADMIN:
+            if who not in holders:  # another site's blob: the parts proved the same bytes
+                await run(coordinator.hold_blob, key, who)
+            await run(coordinator.drop_parts, parts, who, key)
+        return state
+
     async def store_body(
         self, who: str, key: str, request: Request, offset: int, total: int | None
     ) -> dict[str, Any]:
@@ -461,7 +494,20 @@ def _add_run_routes(app: FastAPI, api: _Api, stats: StatusStats) -> None:
         return await run(coordinator.init_run, RunSpec.from_dict(body))
 
     @app.get("/v1/status")
-    async def status(who: Caller) -> dict[str, Any]:
+    async def status(
+        who: Caller,
+        after_round: Annotated[int | None, Query(ge=-MAX_INT, le=MAX_INT)] = None,
+        wait_s: Annotated[float, Query(ge=0, le=MAX_STATUS_WAIT_S)] = 0.0,
+    ) -> dict[str, Any]:
+        """The run's state. With ``after_round`` the open round, a long poll: answered once
+        that round closes or after ``wait_s`` seconds, whichever comes first (a site waiting
+        for a merge learns of it without polling across a long link); any other round is
+        answered at once."""
+        deadline = time.monotonic() + wait_s
+        while coordinator.spec is not None and coordinator.open_round_no == after_round:
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(STATUS_POLL_TICK_S)
         return own_view(who, await run(coordinator.status))
 
     @app.get("/v1/ledger")
@@ -581,24 +627,7 @@ def _add_blob_routes(app: FastAPI, api: _Api) -> None:
     async def compose_blob(key: BLOB_KEY, body: ComposeBody, who: Caller) -> dict[str, Any]:
         """Join the caller's uploaded ``parts`` (byte ranges sent over several connections)
         into blob ``key``; the parts must hash to it together, and are deleted once joined."""
-        key = check_key(key)
-        parts = [check_key(part) for part in body.parts]
-        for part in parts:
-            if who != ADMIN and who not in await run(coordinator.blob_holders, part):
-                if coordinator.blobs.exists(part):
-                    raise CoordinatorError(
-                        403, "forbidden", f"part {part} is not an upload of {who}'s"
-                    )
-                raise CoordinatorError(404, "unknown_blob", f"part {part} is not stored")
-        holders = set() if who == ADMIN else await run(coordinator.blob_holders, key)
-        if who != ADMIN and not holders:
-            await run(coordinator.hold_blob, key, who)  # before the first byte is kept
-        state = await coordinator.blobs.compose(key, parts)
-        if who != ADMIN:
-            if who not in holders:  # another site's blob: the parts proved the same bytes
-                await run(coordinator.hold_blob, key, who)
-            await run(coordinator.drop_parts, parts, who, key)
-        return state
+        return await api.compose(who, check_key(key), body.parts)
 
     @app.get("/v1/blobs/{key}/state")
     async def blob_state(key: BLOB_KEY, who: Caller) -> dict[str, Any]:
@@ -623,10 +652,13 @@ def _add_delta_routes(app: FastAPI, api: _Api) -> None:
 
     @app.post("/v1/rounds/{round_no}/deltas")
     async def submit(round_no: ROUND, body: DeltaBody, who: Caller) -> dict[str, Any]:
+        """Submit a delta by reference to its blob; with ``parts``, the blob's byte ranges
+        (uploaded over several connections) are joined into it first, in the same request."""
         as_site(who, body.site)
-        return await run(
-            coordinator.submit, round_no=round_no, **body.model_dump(), by=site_of(who)
-        )
+        fields = body.model_dump(exclude={"parts"})
+        if body.parts and not coordinator.blobs.exists(check_key(body.blob)):
+            await api.compose(who, check_key(body.blob), body.parts)
+        return await run(coordinator.submit, round_no=round_no, **fields, by=site_of(who))
 
     @app.post(
         "/v1/rounds/{round_no}/deltas/inline",

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpcore
 import httpx
@@ -34,6 +34,7 @@ from crossfed.wire.digests import (
 from crossfed.wire.libc import start_writeback
 
 log = logging.getLogger("crossfed.client")
+T = TypeVar("T")
 #: bytes per socket read of a response body. httpcore reads 64 KiB at a time; at that size
 #: the per-read Python work (h11 events, one bytes object each) is a quarter of a blob
 #: download's CPU. 1 MiB reads took bench/transport.py's download (1.19 GB, /dev/shm) from
@@ -64,6 +65,12 @@ MISMATCH_RETRIES = 3
 SINK_BATCH = 8 << 20
 #: the fewest bytes worth a connection of their own (smaller blobs use fewer streams)
 STREAM_MIN_BYTES = 16 << 20
+#: seconds an idle connection is kept for the next request (the coordinator keeps its end
+#: 75 s): a site's connections idle for a phase between transfers, and across a long link
+#: opening one again costs round trips
+KEEPALIVE_S = 60.0
+#: the longest one status request waits for a round to close (a long poll)
+STATUS_WAIT_S = 20.0
 #: spans start on multiples of this
 SPAN_ALIGN = 64 << 10
 
@@ -100,7 +107,7 @@ class CoordinatorClient:
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
         self.url = url.rstrip("/")
-        self.retry_budget_s = retry_budget_s
+        self.timeout_s, self.retry_budget_s = timeout_s, retry_budget_s
         self.sleep = sleep
         self.part_bytes = part_bytes
         self.streams, self.stream_min_bytes = streams, max(1, stream_min_bytes)
@@ -108,6 +115,7 @@ class CoordinatorClient:
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
         )
         self.http = self._new_http()
         self._stream_http: list[httpx.Client] = []  # one connection per parallel stream
@@ -181,8 +189,14 @@ class CoordinatorClient:
     def init_run(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self.post("/v1/run", spec)
 
-    def status(self) -> dict[str, Any]:
-        return self.get("/v1/status")
+    def status(self, after_round: int | None = None, wait_s: float = 0.0) -> dict[str, Any]:
+        """The run's state; with ``after_round``, once the open round is past it or
+        ``wait_s`` seconds have passed (a long poll)."""
+        if after_round is None:
+            return self.get("/v1/status")
+        params = {"after_round": after_round, "wait_s": wait_s}
+        timeout = httpx.Timeout(self.timeout_s + wait_s, connect=min(10.0, self.timeout_s))
+        return self.get("/v1/status", params=params, timeout=timeout)
 
     def ledger(self) -> list[dict[str, Any]]:
         return self.get("/v1/ledger")
@@ -228,9 +242,17 @@ class CoordinatorClient:
         return self.get(f"/v1/rounds/{round_no}")
 
     # --- weights
-    def download_model(self, generation: int, dest: Path) -> Path:
-        """Fetch generation ``generation`` to ``dest`` (atomic, digest-checked, in ranges)."""
-        return self._download(f"/v1/models/{generation}", dest, f"generation {generation}")
+    def download_model(
+        self, generation: int, dest: Path, known: dict[str, Any] | None = None
+    ) -> Path:
+        """Fetch generation ``generation`` to ``dest`` (atomic, digest-checked, in ranges).
+
+        ``known``: the status's ``model`` (its ``generation``, ``bytes`` and ``digest``);
+        when it is this generation's, parallel streams start without asking for them."""
+        url, what = f"/v1/models/{generation}", f"generation {generation}"
+        if known and known.get("generation") == generation and known.get("digest"):
+            return self._download(url, dest, what, sized=(int(known["bytes"]), known["digest"]))
+        return self._download(url, dest, what)
 
     def download_blob(self, key: str, dest: Path) -> Path:
         """Fetch blob ``key`` to ``dest``; its bytes must hash to ``key``."""
@@ -242,36 +264,47 @@ class CoordinatorClient:
         path = f"/v1/blobs/{_key(key)}/state"
         return self._request("GET", path, retry_status=JSON_RETRY_STATUS, http=http).json()
 
-    def upload_blob(self, path: Path, key: str | None = None) -> str:
+    def upload_blob(self, path: Path, key: str | None = None, *, fresh: bool = False) -> str:
         """PUT a file into the blob store in parts; resumable, idempotent, retried.
 
         ``key`` is the file's digest if already known (the writer computed it); otherwise
         it is computed here (BLAKE3). A file large enough for several streams goes as that
         many byte ranges, each its own blob uploaded over its own connection (and resumed
         on its own), which the coordinator then joins into ``key`` (checking the digest).
+        ``fresh``: the file was just written, so nothing of it can be stored yet; its
+        upload starts without asking (a part stored after all is answered and resumed).
         """
         key = _key(key) if key is not None else digest_file(path)
         size = path.stat().st_size
         n = self.streams_for(size)
         if n == 1:
-            return self._upload_range(self.http, path, key, 0, size)
-        if self.blob_state(key)["complete"]:
+            return self._upload_range(self.http, path, key, 0, size, fresh=fresh)
+        if not fresh and self.blob_state(key)["complete"]:
             return key
+        compose = f"/v1/blobs/{key}/compose"
+        self._send_in_parts(path, key, n, fresh, lambda parts: self.post(compose, {"parts": parts}))
+        return key
+
+    def _send_in_parts(
+        self, path: Path, key: str, n: int, fresh: bool, join: Callable[[list[str]], T]
+    ) -> T:
+        """Upload ``path`` as ``n`` byte ranges over as many connections, each its own blob,
+        then ``join`` their keys into ``key`` (a join that finds a part pruned sends the
+        parts again; one whose bytes do not hash to ``key`` is an IntegrityError)."""
         algo = parse_digest(key)[0]
-        spans = split_spans(size, n)  # n spans: streams_for never asks for more than fit
+        spans = split_spans(path.stat().st_size, n)  # n spans: streams_for never asks for more
         clients = self._stream_clients(n)
 
-        def send(i: int) -> str:
+        def send(i: int, first: bool) -> str:
             start, end = spans[i]
             part = digest_file(path, algo, start, end)
-            return self._upload_range(clients[i], path, part, start, end)
+            return self._upload_range(clients[i], path, part, start, end, fresh=fresh and first)
 
         for attempt in range(MISMATCH_RETRIES + 1):
             with ThreadPoolExecutor(n, thread_name_prefix="crossfed-upload") as pool:
-                parts = list(pool.map(send, range(n)))
+                parts = list(pool.map(send, range(n), [attempt == 0] * n))
             try:
-                self.post(f"/v1/blobs/{key}/compose", {"parts": parts})
-                return key
+                return join(parts)
             except Refused as exc:
                 # a part pruned before the join is sent again; other refusals are final
                 if exc.code != "unknown_blob" or attempt == MISMATCH_RETRIES:
@@ -284,11 +317,14 @@ class CoordinatorClient:
                 log.warning("joining %s: %s; sending its parts again", path.name, exc)
         raise AssertionError("unreachable")
 
-    def _upload_range(self, http: httpx.Client, path: Path, key: str, start: int, end: int) -> str:
-        """Upload bytes ``[start, end)`` of ``path`` as blob ``key`` over ``http``."""
+    def _upload_range(
+        self, http: httpx.Client, path: Path, key: str, start: int, end: int, *, fresh: bool
+    ) -> str:
+        """Upload bytes ``[start, end)`` of ``path`` as blob ``key`` over ``http`` (``fresh``:
+        from offset 0 without asking where to start)."""
         size = end - start
         mismatches = 0
-        state = self.blob_state(key, http)
+        state = {"complete": False, "offset": 0} if fresh else self.blob_state(key, http)
         progress = _Progress(self.retry_budget_s)
         while not state["complete"]:
             offset = int(state["offset"])
@@ -329,23 +365,38 @@ class CoordinatorClient:
         return key
 
     def submit_delta(
-        self, round_no: int, path: Path, *, inline: bool, key: str | None = None, **fields: Any
+        self,
+        round_no: int,
+        path: Path,
+        *,
+        inline: bool,
+        key: str | None = None,
+        fresh: bool = False,
+        **fields: Any,
     ) -> dict[str, Any]:
         """Send a delta inside the round message (inline) or as a blob reference.
 
-        Either way the submission by reference is tried first: resending a delta the
-        coordinator already holds (a restarted job) costs one short request, no bytes.
-        Inline bodies refused as too slow or too large go as a blob instead (the upload
-        resumes where the inline body stopped).
+        Unless ``fresh`` (written just now, never sent), the submission by reference is
+        tried first: resending a delta the coordinator already holds (a restarted job)
+        costs one short request, no bytes. Inline bodies refused as too slow or too large
+        go as a blob instead (the upload resumes where the inline body stopped). A delta
+        large enough for several streams goes as byte ranges that the submission joins.
         """
         key = _key(key) if key is not None else digest_file(path)
         body = {**fields, "blob": key}
-        try:
-            return self.post(f"/v1/rounds/{round_no}/deltas", body)
-        except Refused as exc:
-            if exc.code != "unknown_blob":
-                raise
-        if inline and self.streams_for(path.stat().st_size) == 1:  # else: parallel parts
+        deltas = f"/v1/rounds/{round_no}/deltas"
+        if not fresh:
+            try:
+                return self.post(deltas, body)
+            except Refused as exc:
+                if exc.code != "unknown_blob":
+                    raise
+        n = self.streams_for(path.stat().st_size)
+        if n > 1:  # parts over n connections, joined by the submission itself
+            return self._send_in_parts(
+                path, key, n, fresh, lambda parts: self.post(deltas, {**body, "parts": parts})
+            )
+        if inline:
             try:
                 return self._request(
                     "POST",
@@ -358,18 +409,26 @@ class CoordinatorClient:
                 if exc.status not in INLINE_FALLBACK_STATUS:
                     raise
                 log.warning("inline delta refused (%s); sending it as a blob", exc)
-        self.upload_blob(path, key)
-        return self.post(f"/v1/rounds/{round_no}/deltas", body)
+        self.upload_blob(path, key, fresh=fresh and not inline)
+        return self.post(deltas, body)
 
-    def _download(self, url: str, dest: Path, what: str, expected: str | None = None) -> Path:
+    def _download(
+        self,
+        url: str,
+        dest: Path,
+        what: str,
+        expected: str | None = None,
+        sized: tuple[int, str] | None = None,
+    ) -> Path:
         """GET ``url`` in ranges of ``part_bytes`` into ``dest``, hashing as bytes arrive
-        (over several connections when ``streams`` > 1 and the file is large enough)."""
+        (over several connections when ``streams`` > 1 and the file is large enough;
+        ``sized``: its size and digest, known already, else asked for with one byte)."""
         if dest.exists():
             return dest
         if self.streams > 1:
-            size, digest = self._probe(url, what, expected)
+            size, digest = sized or self._probe(url, what, expected)
             if self.streams_for(size) > 1:
-                return self._download_parallel(url, dest, what, size, digest)
+                return self._download_parallel(url, dest, what, size, _key(digest))
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = create_temp_beside(dest, suffix=".part", mode=0o644)
         progress = _Progress(self.retry_budget_s)

@@ -133,6 +133,8 @@ class Coordinator:
         self.book: LeaseBook | None = None
         self.shapes: dict[str, tuple[int, ...]] = {}  # the master's tensors, in file order
         self.generation = 0  # the committed generation whose files hold the state
+        #: the open round's number, read without the lock (a status long poll): 0 before a run
+        self.open_round_no = 0
         self._closing: int | None = None  # the round a merge is closing, outside the lock
         self._echoes: dict[str, dict[int, float]] = {}  # site -> {nonce: monotonic at reply}
         self._rtt_ms: dict[str, float] = {}  # RTT the coordinator measured per site (smoothed)
@@ -165,6 +167,7 @@ class Coordinator:
         generation = store.get_meta(self.conn, "generation", 0)
         self.shapes = read_shapes(self._master_path(generation))
         self.generation = generation
+        self.open_round_no = self.current_round()["round_no"]
         return generation
 
     def _references(self) -> dict[str, torch.Tensor]:
@@ -347,11 +350,24 @@ class Coordinator:
                 "blocks_committed_in_epoch": self.book.committed_in_epoch,
                 "blocks_committed_total": self.book.committed_total,
                 "digest": self.space.digest(),
+                "model": self._model_view(current["generation"]),
                 "inner_steps": spec.inner_steps,
                 "schedule": spec.to_dict()["schedule"],
                 "outer": spec.to_dict()["outer"],
                 "active_leases": [self._lease_view(lease) for lease in self.book.active_leases()],
             }
+
+    def _model_view(self, generation: int) -> dict[str, Any] | None:
+        """The global model of ``generation``: its size and digest (a download needs to ask
+        no more), or None when either is not at hand."""
+        digest = store.get_meta(self.conn, f"global_digest:{generation}")
+        path = self.models_dir / f"global-{generation:06d}.safetensors"
+        if digest is None:
+            return None
+        try:
+            return {"generation": generation, "bytes": path.stat().st_size, "digest": digest}
+        except FileNotFoundError:
+            return None
 
     def ledger_table(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -1049,7 +1065,7 @@ class Coordinator:
             store.open_round(self.conn, following, generation, now, global_step)
             if self.book.active_sites(following):  # early leases: as if taken at the opening
                 store.mark_first_lease(self.conn, following, now)
-        self.generation = generation
+        self.generation, self.open_round_no = generation, following
         crash_point("after_close_commit")
         self._retain(generation, current["round_no"])
         log.info(

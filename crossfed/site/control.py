@@ -114,11 +114,12 @@ class Control:
         )
         return joined, rtt
 
-    def download(self, generation: int) -> Path:
+    def download(self, generation: int, known: dict[str, Any] | None = None) -> Path:
         """The global model of ``generation`` on local disk (older ones removed); the run
-        folder keeps it too, for the workflow's merge jobs."""
+        folder keeps it too, for the workflow's merge jobs. ``known``: the status's
+        ``model`` (its size and digest), so that the download need not ask for them."""
         path = self.dir / "models" / f"global-{generation:06d}.safetensors"
-        self.client.download_model(generation, path)  # one already here is not fetched again
+        self.client.download_model(generation, path, known)  # one already here is not fetched
         keep_global_model(path, self.s.work_dir.parent, generation)
         for old in path.parent.glob("global-*.safetensors"):
             if old != path:
@@ -217,14 +218,20 @@ class Control:
     def release(self, lease_id: int) -> None:
         self.client.release(lease_id, self.site)
 
-    def send(self, pending: PendingDelta, outcome: RoundOutcome, state_dir: Path) -> RoundOutcome:
+    def send(
+        self, pending: PendingDelta, outcome: RoundOutcome, state_dir: Path, *, fresh: bool
+    ) -> RoundOutcome:
         """Send the written delta; the reply commits its blocks (or rejects it as stale).
+        ``fresh``: written by this job and not sent yet (no need to ask whether the
+        coordinator holds it already).
 
         The pending record and the delta file go once answered; an accepted delta's residual
         becomes the site's (error feedback), a refused one's is dropped.
         """
         path = Path(pending.delta)
-        inline = path.stat().st_size <= self.s.inline_max_bytes
+        size = path.stat().st_size
+        streams = self.client.streams_for(size)
+        inline = size <= self.s.inline_max_bytes
         t0 = time.perf_counter()
         try:
             reply = self.client.submit_delta(
@@ -232,6 +239,7 @@ class Control:
                 path,
                 inline=inline,
                 key=pending.key,
+                fresh=fresh,
                 site=self.site,
                 lease_id=pending.lease_id,
                 generation=pending.generation,
@@ -249,8 +257,8 @@ class Control:
             outcome.detail = f"{exc.code}: {exc.detail}"
             reply = None
         outcome.upload_s = time.perf_counter() - t0
-        size_mb = path.stat().st_size / 1e6
-        outcome.transport = "inline" if inline else "blob"
+        size_mb = size / 1e6
+        outcome.transport = f"{streams} parts" if streams > 1 else "inline" if inline else "blob"
         outcome.overhead_s = outcome.download_s + outcome.upload_s + outcome.checkpoint_s
         residual = Path(pending.residual) if pending.residual else None
         if reply is not None:

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from crossfed.coordinator.faults import crash_point
+from crossfed.coordinator.http_client import STATUS_WAIT_S
 from crossfed.progress import site_prefix
 from crossfed.site.control import Control, Heartbeat
 from crossfed.site.records import PendingDelta, RoundOutcome
@@ -42,10 +43,11 @@ class InFlight:
         *,
         on_sent: Callable[[RoundOutcome], None] = lambda _outcome: None,
         poll_s: float = 0.5,
+        wait_s: float = STATUS_WAIT_S,
     ) -> None:
         self.control, self.pending, self.outcome = control, pending, outcome
         self.on_sent = on_sent
-        self.beat, self.state_dir, self.poll_s = beat, state_dir, poll_s
+        self.beat, self.state_dir, self.poll_s, self.wait_s = beat, state_dir, poll_s, wait_s
         self.round = pending.round
         self.sent = threading.Event()  # the coordinator answered the delta
         self.arrived = threading.Event()  # the merged model is on disk and in memory
@@ -67,7 +69,9 @@ class InFlight:
         try:
             try:
                 crash_point("site_mid_upload", f"{self.control.site}:{self.round}")  # tests only
-                self.outcome = self.control.send(self.pending, self.outcome, self.state_dir)
+                self.outcome = self.control.send(
+                    self.pending, self.outcome, self.state_dir, fresh=True
+                )
                 self.outcome.comms_hidden_s += self.outcome.upload_s  # beside the next phase
             except BaseException as exc:
                 self.send_error = exc
@@ -83,7 +87,7 @@ class InFlight:
             if status is None:
                 return
             t0 = time.perf_counter()
-            path = self.control.download(int(status["generation"]))
+            path = self.control.download(int(status["generation"]), status.get("model"))
             self.merged = load_file(path)
             self.download_s = time.perf_counter() - t0
             self.merged_path, self.generation = path, int(status["generation"])
@@ -101,10 +105,10 @@ class InFlight:
     def _await_close(self) -> dict[str, Any] | None:
         """The coordinator's status once round ``self.round`` has closed (None: stopped)."""
         while not self._stop.is_set():
-            status = self.control.client.status()
+            status = self.control.client.status(self.round, wait_s=self.wait_s)
             if int(status["round"]) > self.round:
                 return status
-            self._stop.wait(self.poll_s)
+            self._stop.wait(self.poll_s)  # a coordinator that does not hold the request
         return None
 
     def wait_sent(self) -> RoundOutcome:

@@ -268,7 +268,7 @@ class SiteRunner:
         generation = joined["generation"]
         self._inner_steps = int(joined["inner_steps"])
         t0 = time.perf_counter()
-        model_path = control.download(generation)
+        model_path = control.download(generation, joined.get("model"))
         download_s = time.perf_counter() - t0
         cursor, lease = self._resumable(round_no, generation, joined)
         if cursor is not None and cursor.accumulation:
@@ -352,7 +352,7 @@ class SiteRunner:
             lease_id=pending.lease_id, steps=pending.steps, tokens=pending.tokens,
             loss_mean=pending.loss, compute_s=pending.compute_s,
         )  # fmt: skip
-        outcome = self._send(pending, outcome)
+        outcome = self._send(pending, outcome, fresh=False)
         outcome.extra["resumed"] = True
         return outcome if pending.round == round_no else None
 
@@ -435,7 +435,7 @@ class SiteRunner:
                 )
                 handed_over = True
                 return replace(outcome, status="sending")
-            outcome = self._send(pending, outcome)
+            outcome = self._send(pending, outcome, fresh=True)
             outcome.comms_exposed_s = outcome.download_s + outcome.upload_s
             return outcome
         finally:
@@ -514,10 +514,10 @@ class SiteRunner:
     def _write_pending(self, pending: PendingDelta) -> None:
         write_atomic(self.pending_path, pending.to_json())
 
-    def _send(self, pending: PendingDelta, outcome: RoundOutcome) -> RoundOutcome:
+    def _send(self, pending: PendingDelta, outcome: RoundOutcome, *, fresh: bool) -> RoundOutcome:
         """Send the checkpointed delta (rank 0): crossfed.site.control.Control.send."""
         assert self.control is not None
-        return self.control.send(pending, outcome, self.state_dir)
+        return self.control.send(pending, outcome, self.state_dir, fresh=fresh)
 
     def _ranges(self, blocks: list[int]) -> list[tuple[int, int]]:
         return [(r.start, r.stop) for r in (self.space.block_windows(b) for b in blocks)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
-from crossfed.coordinator.app import Tokens, create_app
+from crossfed.coordinator.app import KEEP_ALIVE_S, Tokens, create_app
 from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.coordinator.service import Coordinator
 
@@ -38,6 +38,7 @@ class Server:
                 host="127.0.0.1",
                 port=self.port,
                 log_level="error",
+                timeout_keep_alive=KEEP_ALIVE_S,
                 ssl_certfile=None if tls is None else str(tls[0]),
                 ssl_keyfile=None if tls is None else str(tls[1]),
             )

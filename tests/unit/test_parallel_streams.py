@@ -165,7 +165,12 @@ def test_the_same_delta_joined_again_stores_it_once(server: Server, tmp_path: Pa
     again = server.client(streams=3, stream_min_bytes=MiB)
     parts = [
         again._upload_range(
-            again.http, tmp_path / "d.bin", digest_file(tmp_path / "d.bin", "blake3", s, e), s, e
+            again.http,
+            tmp_path / "d.bin",
+            digest_file(tmp_path / "d.bin", "blake3", s, e),
+            s,
+            e,
+            fresh=False,
         )
         for s, e in split_spans(len(data), 3)
     ]
