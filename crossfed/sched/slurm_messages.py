@@ -17,6 +17,16 @@ limits a different node count; CPU, memory, GRES, billing and the rest a differe
 job-count limits and throttles mean waiting; QOS and group permissions are account or
 partition problems; an unreachable controller or database, socket timeouts, rate limiting
 and disabled submissions mean trying later.
+
+* A job_submit plugin that refuses a job answers with the same accounting-policy errno and
+  its own text on an ``sbatch: error:`` line before it (job_submit/throttle:
+  ``Reached jobs per hour limit``, in every version since 2.x): that text decides.
+* With ``-M``/``SLURM_CLUSTERS`` sbatch asks slurmdbd for the cluster first; when slurmdbd
+  does not answer it prints ``There is a problem talking to the database: <errno>.  Only
+  local cluster communication is available, ...`` (``src/common/slurmdb_defs.c``; sacct's
+  and sacctmgr's say ``Problem talking to the database``): trying later. (``'<name>' can't
+  be reached now, or it is an invalid entry for --cluster`` may be a typo as well: left to
+  a person.)
 """
 
 from __future__ import annotations
@@ -135,6 +145,8 @@ _ERRNO_TEXTS: tuple[tuple[ProbeReason, tuple[str, ...]], ...] = (
             "communication shutdown failure",
             "unable to connect to database",
             "database connection reference is invalid",
+            "problem talking to the database",  # slurmdbd unreachable (-M, SLURM_CLUSTERS)
+            "reached jobs per hour limit",  # job_submit/throttle: the same job fits later
             "system submissions disabled",
             "requested operation is presently disabled",
             "backup controller in standby mode",
@@ -243,6 +255,19 @@ def named_limits(text: str) -> list[str]:
     return out
 
 
+def plugin_reason(text: str) -> ProbeReason | None:
+    """The reason a job_submit plugin gave on its own ``<prog>: error:`` line before
+    Slurm's generic accounting-policy refusal (the plugins answer with that errno and their
+    own text: job_submit/throttle's ``Reached jobs per hour limit``); None if none is known."""
+    for line in text.splitlines():
+        m = _ERROR_LINE.match(line)
+        if m and not _ERRNO_LINE.search(line):
+            reason = errno_reason(m.group("msg"))
+            if reason is not None and reason is not ProbeReason.POLICY:
+                return reason
+    return None
+
+
 def classify_failure(text: str) -> ProbeReason:
     """The reason for a refused ``sbatch --test-only`` from everything it printed.
 
@@ -256,7 +281,7 @@ def classify_failure(text: str) -> ProbeReason:
     if errno_lines:
         reason = errno_reason(errno_lines[-1])
         if reason is ProbeReason.POLICY:
-            return named or ProbeReason.POLICY
+            return named or plugin_reason(text) or ProbeReason.POLICY
         if reason is not None:
             return reason
     if named is not None:

@@ -130,3 +130,42 @@ def test_sacct_of_a_finished_job_reads_alike_in_relative_and_standard_times(
     assert relative[0].start is not None and relative[0].end >= relative[0].start
     assert relative[0].state == "COMPLETED" and relative[0].timelimit_s == 60.0
     assert walltime_discount(relative, now, min_jobs=1).jobs == 1
+
+
+def test_probe_of_a_cluster_whose_database_is_unreachable_is_try_later(
+    cluster: SlurmTestCluster, caller_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A login node that names its cluster (``SLURM_CLUSTERS``, as ``-M`` does) asks
+    slurmdbd first; with slurmdbd unreachable the probe says nothing about the shape."""
+    closed = free_ports(1)[0]
+    conf = re.sub(
+        r"^AccountingStoragePort=\d+$",
+        f"AccountingStoragePort={closed}",
+        cluster.conf_path.read_text(),
+        flags=re.M,
+    )
+    assert f"AccountingStoragePort={closed}" in conf
+    (tmp_path / "slurm.conf").write_text(conf)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    monkeypatch.setenv("SLURM_CLUSTERS", cluster.cluster_name)
+    r = run_test_only(LUMI, LUMI.shapes[0], datetime.now(), timeout_s=120)
+    assert not r.ok and r.reason is ProbeReason.TRY_LATER, r.detail
+    assert "problem talking to the database" in r.detail.lower()
+
+
+def test_a_job_submit_throttle_is_try_later(cluster: SlurmTestCluster, caller_env: None) -> None:
+    """Slurm's own job_submit/throttle plugin refuses a user's jobs past N an hour with its
+    text before the generic accounting-policy line: the probe reads it as try later (the
+    same shape fits within the hour), not as a policy for a person to check."""
+    conf = cluster.conf_path.read_text()
+    throttled = conf + "JobSubmitPlugins=throttle\nSchedulerParameters=jobs_per_user_per_hour=1\n"
+    try:
+        cluster.conf_path.write_text(throttled)
+        cluster.run("scontrol", "reconfigure")
+        cluster.sbatch("-p", "small", "-t", "00:01:00", "--wrap", "true")  # the hour's one
+        r = run_test_only(LUMI, LUMI.shapes[0], datetime.now(), timeout_s=120)
+        assert not r.ok and r.reason is ProbeReason.TRY_LATER, r.detail
+        assert "Reached jobs per hour limit" in r.detail
+    finally:
+        cluster.conf_path.write_text(conf)
+        cluster.run("scontrol", "reconfigure")
