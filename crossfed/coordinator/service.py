@@ -628,15 +628,14 @@ class Coordinator:
                     step_rates=self._step_rates,
                     probe_share=spec.leases.probe_share if len(spec.sites) > 1 else 1.0,
                 )  # fmt: skip
+                ranks = store.site_ranks(self.conn, site) or 1
                 with self._mutation():
-                    args = {"site": site, "n_blocks": size, "now": now, "ttl_s": ttl}
+                    args = {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
                     lease = self._event(
-                        "grant", {**args, "round_no": round_no, "requested": n_blocks}
+                        "grant", {**args, "n_blocks": size, "requested": n_blocks, "ranks": ranks}
                     )
                     if lease is None and not early:  # an early lease never steals
-                        lease = self._event(
-                            "steal", {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
-                        )
+                        lease = self._event("steal", {**args, "ranks": ranks})
                     store.site_seen(self.conn, site, now, t_step_s=t_step_s, rtt_ms=rtt_ms)
                     if lease is not None:
                         self._phase_blocks[lease.lease_id] = n_blocks
@@ -908,8 +907,9 @@ class Coordinator:
     def _check_claim(self, lease: Lease, tokens: int, steps: int, consumed: int) -> None:
         """Tokens and steps no larger than the committed blocks hold: a site trains each
         window once (``seq_len`` tokens of it are predicted) and every inner step trains at
-        least one window. The token count is a delta's weight in the average and the step
-        count moves the global step, so an inflated claim is refused, never capped."""
+        least one window on each of the ranks the site leased with. The token count is a
+        delta's weight in the average and the step count moves the global step, so an
+        inflated claim is refused, never capped."""
         spec = self._require_run()
         assert self.space is not None
         windows = claim_windows(self.space, lease, consumed)
@@ -922,12 +922,14 @@ class Coordinator:
                 f"{lease.lease_id} hold: {windows} windows x seq_len {spec.seq_len} = "
                 f"{limit} tokens",
             )
-        if steps > windows:
+        most = -(-windows // lease.ranks)
+        if steps > most:
             raise CoordinatorError(
                 422,
                 "implausible_claim",
-                f"steps={steps} exceed the {windows} windows of the {consumed} committed "
-                f"blocks of lease {lease.lease_id} (every inner step trains at least one)",
+                f"steps={steps} exceed what the {windows} windows of the {consumed} committed "
+                f"blocks of lease {lease.lease_id} can train on its {lease.ranks} rank(s): "
+                f"{most} (every inner step trains at least one window per rank)",
             )
 
     def _release_quietly(self, lease_id: int, site: str) -> None:

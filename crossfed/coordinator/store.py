@@ -203,6 +203,12 @@ def site_rtt_ms(conn: sqlite3.Connection, site: str) -> float | None:
     return row["rtt_ms"] if row else None
 
 
+def site_ranks(conn: sqlite3.Connection, site: str) -> int | None:
+    """The ranks ``site`` last registered with, if it did."""
+    row = conn.execute("SELECT ranks FROM sites WHERE site = ?", (site,)).fetchone()
+    return row["ranks"] if row else None
+
+
 def sites(conn: sqlite3.Connection) -> list[dict]:
     """Every registered site's ranks, RTT, step time and last contact, by name."""
     rows = conn.execute(

@@ -90,6 +90,9 @@ class Lease:
     expires_at: float
     ttl_s: float
     status: str  # active | committed | expired | released
+    #: the site's ranks when it was granted: every inner step of its phase trains at least
+    #: this many windows (one per rank), so its delta claims at most windows / ranks steps
+    ranks: int = 1
 
     @property
     def n_blocks(self) -> int:
@@ -323,12 +326,14 @@ class LeaseBook:
         ttl_s: float,
         round_no: int,
         requested: int | None = None,
+        ranks: int | None = None,
     ) -> Lease | None:
         """Lease one contiguous span of up to n_blocks from the lowest pooled position.
 
         `requested` is what the site asked for before sizing (default n_blocks); the book
-        keeps it to measure the site's pace (see `grant_size`). Refused (`already_holding`)
-        while the site holds a lease of `round_no` or a later round, or two leases.
+        keeps it to measure the site's pace (see `grant_size`). `ranks`: the site's ranks
+        (default 1), kept on the lease. Refused (`already_holding`) while the site holds a
+        lease of `round_no` or a later round, or two leases.
         """
         stats = self._site(site)
         n_blocks = _count("n_blocks", n_blocks, 1)
@@ -343,7 +348,7 @@ class LeaseBook:
             return None
         stats.grants += 1
         stats.blocks_granted += span[1] - span[0]
-        return self._new_lease(site, round_no, span, now, ttl_s)
+        return self._new_lease(site, round_no, span, now, ttl_s, ranks)
 
     def heartbeat(
         self, lease_id: int, site: str, consumed: int, now: float, ttl_s: float | None = None
@@ -365,7 +370,9 @@ class LeaseBook:
         self._seen[site] = now
         return dataclasses.replace(lease)
 
-    def steal(self, site: str, now: float, ttl_s: float, round_no: int) -> Lease | None:
+    def steal(
+        self, site: str, now: float, ttl_s: float, round_no: int, ranks: int | None = None
+    ) -> Lease | None:
         """A drained site takes the untouched tail of another site's largest live lease.
 
         The victim keeps its consumed blocks, the one in progress and half (rounded down) of
@@ -398,7 +405,7 @@ class LeaseBook:
         stats.steals += 1
         stats.grants += 1
         stats.blocks_granted += tail
-        return self._new_lease(site, round_no, span, now, ttl_s)
+        return self._new_lease(site, round_no, span, now, ttl_s, ranks)
 
     def commit(
         self, lease_id: int, site: str, consumed: int, now: float, idle_s: float = 0.0
@@ -564,7 +571,13 @@ class LeaseBook:
         return lease
 
     def _new_lease(
-        self, site: str, round_no: int, span: tuple[int, int], now: float, ttl_s: float
+        self,
+        site: str,
+        round_no: int,
+        span: tuple[int, int],
+        now: float,
+        ttl_s: float,
+        ranks: int | None = None,
     ) -> Lease:
         lease = Lease(
             lease_id=self._next_id,
@@ -578,6 +591,7 @@ class LeaseBook:
             expires_at=now + ttl_s,
             ttl_s=ttl_s,
             status=ACTIVE,
+            ranks=1 if ranks is None else _count("ranks", ranks, 1),
         )
         self._next_id += 1
         self._leases[lease.lease_id] = lease

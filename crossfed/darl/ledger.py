@@ -62,9 +62,9 @@ TABLE3_COLUMNS = [
 # op -> (required args, optional args); every op carries `now` so replay is deterministic
 OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "register": (("site", "now"), ()),
-    "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ("requested",)),
+    "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ("requested", "ranks")),
     "heartbeat": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
-    "steal": (("site", "now", "ttl_s", "round_no"), ()),
+    "steal": (("site", "now", "ttl_s", "round_no"), ("ranks",)),
     "commit": (("lease_id", "site", "consumed", "now"), ()),
     "release": (("lease_id", "site", "now"), ()),
     "expire": (("now",), ()),
@@ -106,12 +106,13 @@ def apply_event(book: LeaseBook, op: str, args: Mapping[str, object]) -> object:
         return book.register(a["site"], a["now"])
     if op == "grant":
         return book.grant(
-            a["site"], a["n_blocks"], a["now"], a["ttl_s"], a["round_no"], a.get("requested")
-        )
+            a["site"], a["n_blocks"], a["now"], a["ttl_s"], a["round_no"], a.get("requested"),
+            a.get("ranks"),
+        )  # fmt: skip
     if op == "heartbeat":
         return book.heartbeat(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))
     if op == "steal":
-        return book.steal(a["site"], a["now"], a["ttl_s"], a["round_no"])
+        return book.steal(a["site"], a["now"], a["ttl_s"], a["round_no"], a.get("ranks"))
     if op == "commit":
         return book.commit(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("idle_s", 0.0))
     if op == "release":

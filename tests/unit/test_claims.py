@@ -19,7 +19,7 @@ from crossfed.coordinator.http_client import Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.train.windows import read_meta
 from crossfed.wire.digests import digest_file
-from tests.conftest import LiveCoordinator
+from tests.conftest import LiveCoordinator, digest_of
 from tests.unit.test_coordinator_http import delta_file, global_model, join_and_lease, submit
 from tests.unit.test_fuzz import run_state
 
@@ -131,6 +131,33 @@ def test_a_site_runs_more_inner_steps_than_h_when_its_lease_holds_them(
         lease_id=other["lease_id"], generation=0, tokens=steps * SEQ_LEN, steps=steps, consumed=2,
     )  # fmt: skip
     assert answer["accepted"] and steps > 4
+
+
+def test_steps_are_bounded_by_the_ranks_the_site_leased_with(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """A site of 4 ranks trains at least 4 windows a step: a delta claiming more steps than
+    its windows / 4 is refused; the bound is the lease's, so a job that registers again
+    with more ranks (a bigger shape) can still resend the delta its predecessor trained."""
+    g0 = global_model(run, 0, tmp_path)
+    client = run.client("lumi")
+    client.register("lumi", digest_of(tiny_data), 4, 1.0)
+    lease = client.lease("lumi", 1, 3, None, 1.0)["lease"]
+    windows = lease_windows(tiny_data, lease, 3)
+    most = -(-windows // 4)
+    assert most < windows  # the bound is tighter than one window per step
+    path = delta_file(tmp_path, g0)
+    fields = dict(site="lumi", lease_id=lease["lease_id"], generation=0,
+                  tokens=windows * SEQ_LEN, consumed=3, loss=3.0)  # fmt: skip
+    before = run_state(run)
+    with pytest.raises(Refused) as refused:
+        client.submit_delta(1, path, inline=False, steps=most + 1, **fields)
+    assert refused.value.code == "implausible_claim"
+    assert f"{most} (every inner step" in refused.value.detail and "4 rank" in refused.value.detail
+    assert run_state(run) == before
+    client.register("lumi", digest_of(tiny_data), 8, 1.0)  # the next job: a bigger shape
+    assert client.submit_delta(1, path, inline=False, steps=most, **fields)["accepted"]
+    assert [d["steps"] for d in run.client().round_info(1)["deltas"]] == [most]
 
 
 # ------------------------------------------------------------ query values, keep-alive
