@@ -131,8 +131,8 @@ def test_a_job_killed_before_its_commit_resends_and_commits_its_residual_once(
     state_dir, site_dir = settings.work_dir / "lumi" / "state", settings.work_dir / "lumi"
     runner = SiteRunner(settings, coordinator.client("lumi"))
 
-    def die(self, pending, outcome) -> None:  # the job ends right after the pending record
-        raise Killed
+    def die(self, pending, outcome, *, fresh: bool) -> None:
+        raise Killed  # the job ends right after the pending record
 
     with monkeypatch.context() as patch:
         patch.setattr(SiteRunner, "_send", die)
