@@ -60,6 +60,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmTestClust
         live.stop()
 
 
+def conf_with_closed_port(cluster: SlurmTestCluster, key: str, folder: Path) -> Path:
+    """A copy of the cluster's slurm.conf in ``folder`` whose ``key`` port nothing serves."""
+    closed = free_ports(1)[0]
+    conf = re.sub(rf"^{key}=\d+$", f"{key}={closed}", cluster.conf_path.read_text(), flags=re.M)
+    assert f"{key}={closed}" in conf
+    (folder / "slurm.conf").write_text(conf)
+    return folder / "slurm.conf"
+
+
 @pytest.fixture
 def caller_env(cluster: SlurmTestCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's environment: this cluster, and times in the relative format."""
@@ -95,16 +104,7 @@ def test_probe_reads_the_start_whatever_the_callers_time_format(
 def test_probe_of_an_unreachable_controller_is_try_later(
     cluster: SlurmTestCluster, caller_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    closed = free_ports(1)[0]
-    conf = re.sub(
-        r"^SlurmctldPort=\d+$",
-        f"SlurmctldPort={closed}",
-        cluster.conf_path.read_text(),
-        flags=re.M,
-    )
-    assert f"SlurmctldPort={closed}" in conf
-    (tmp_path / "slurm.conf").write_text(conf)
-    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    monkeypatch.setenv("SLURM_CONF", str(conf_with_closed_port(cluster, "SlurmctldPort", tmp_path)))
     r = run_test_only(LUMI, LUMI.shapes[0], datetime.now(), timeout_s=120)
     assert not r.ok and r.reason is ProbeReason.TRY_LATER
     assert "Unable to contact slurm controller" in r.detail
@@ -137,16 +137,8 @@ def test_probe_of_a_cluster_whose_database_is_unreachable_is_try_later(
 ) -> None:
     """A login node that names its cluster (``SLURM_CLUSTERS``, as ``-M`` does) asks
     slurmdbd first; with slurmdbd unreachable the probe says nothing about the shape."""
-    closed = free_ports(1)[0]
-    conf = re.sub(
-        r"^AccountingStoragePort=\d+$",
-        f"AccountingStoragePort={closed}",
-        cluster.conf_path.read_text(),
-        flags=re.M,
-    )
-    assert f"AccountingStoragePort={closed}" in conf
-    (tmp_path / "slurm.conf").write_text(conf)
-    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    conf = conf_with_closed_port(cluster, "AccountingStoragePort", tmp_path)
+    monkeypatch.setenv("SLURM_CONF", str(conf))
     monkeypatch.setenv("SLURM_CLUSTERS", cluster.cluster_name)
     r = run_test_only(LUMI, LUMI.shapes[0], datetime.now(), timeout_s=120)
     assert not r.ok and r.reason is ProbeReason.TRY_LATER, r.detail
