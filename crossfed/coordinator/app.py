@@ -656,8 +656,11 @@ def _add_delta_routes(app: FastAPI, api: _Api) -> None:
         (uploaded over several connections) are joined into it first, in the same request."""
         as_site(who, body.site)
         fields = body.model_dump(exclude={"parts"})
-        if body.parts and not coordinator.blobs.exists(check_key(body.blob)):
-            await api.compose(who, check_key(body.blob), body.parts)
+        if body.parts:  # unless the caller's blob is whole already (a resent submission)
+            key = check_key(body.blob)
+            mine = who == ADMIN or who in await run(coordinator.blob_holders, key)
+            if not (mine and coordinator.blobs.exists(key)):
+                await api.compose(who, key, body.parts)
         return await run(coordinator.submit, round_no=round_no, **fields, by=site_of(who))
 
     @app.post(

@@ -82,6 +82,23 @@ def test_a_submission_whose_parts_are_gone_sends_them_again(
     assert reply["accepted"] and not reply.get("already")
 
 
+def test_two_sites_sending_the_same_bytes_in_parts_store_them_once(
+    run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """The second site's parts prove it holds the same bytes: its submission joins them
+    against the stored blob (no second copy) and is accepted as its own."""
+    path = delta_file(tmp_path, global_model(run, 0, tmp_path))
+    for site in ("lumi", "snellius"):
+        lease = join_and_lease(run, site, tiny_data)
+        client = run.client(site, streams=3, stream_min_bytes=64 * KiB)
+        reply = client.submit_delta(
+            1, path, inline=False, fresh=True, **{**fields(lease), "site": site}
+        )
+        assert reply["accepted"] and not reply.get("already"), site
+    assert BlobStore(run.state_dir / "blobs").keys() == [digest_file(path)]
+    assert sorted(d["site"] for d in run.client().round_info(1)["deltas"]) == ["lumi", "snellius"]
+
+
 def test_a_merged_model_comes_down_in_parallel_without_a_size_probe(
     run: LiveCoordinator, tmp_path: Path
 ) -> None:
