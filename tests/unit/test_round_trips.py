@@ -88,8 +88,10 @@ def test_two_sites_sending_the_same_bytes_in_parts_store_them_once(
     """The second site's parts prove it holds the same bytes: its submission joins them
     against the stored blob (no second copy) and is accepted as its own."""
     path = delta_file(tmp_path, global_model(run, 0, tmp_path))
-    for site in ("lumi", "snellius"):
-        lease = join_and_lease(run, site, tiny_data)
+    # both leases are held before either delta goes in: a round with no active lease left
+    # closes once its join window has passed, which a busy machine can reach in between
+    leases = {site: join_and_lease(run, site, tiny_data) for site in ("lumi", "snellius")}
+    for site, lease in leases.items():
         client = run.client(site, streams=3, stream_min_bytes=64 * KiB)
         reply = client.submit_delta(
             1, path, inline=False, fresh=True, **{**fields(lease), "site": site}
