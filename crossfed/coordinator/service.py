@@ -262,12 +262,16 @@ class Coordinator:
     def global_path(self, generation: int) -> Path:
         """The published bf16 model of ``generation`` (a generation whose merge has not
         committed yet is not published, even if a killed merge left its file behind)."""
-        path = self.models_dir / f"global-{generation:06d}.safetensors"
+        path = self._model_file(generation)
         if generation > store.get_meta(self.conn, "generation", 0) or not path.exists():
             raise CoordinatorError(
                 404, "unknown_generation", f"no global model for generation {generation}"
             )
         return path
+
+    def _model_file(self, generation: int) -> Path:
+        """Where generation ``generation``'s bf16 global model is (or will be) written."""
+        return self.models_dir / f"global-{generation:06d}.safetensors"
 
     def global_file(self, generation: int) -> tuple[Path, str]:
         """Path and ``algo:hex`` digest of generation ``generation``'s global model."""
@@ -284,7 +288,7 @@ class Coordinator:
         (:func:`crossfed.coordinator.generations.write_generation`)."""
         return write_generation(
             self._master_path(generation),
-            self.models_dir / f"global-{generation:06d}.safetensors",
+            self._model_file(generation),
             self.shapes,
             generation,
             fill,
@@ -361,11 +365,11 @@ class Coordinator:
         """The global model of ``generation``: its size and digest (a download needs to ask
         no more), or None when either is not at hand."""
         digest = store.get_meta(self.conn, f"global_digest:{generation}")
-        path = self.models_dir / f"global-{generation:06d}.safetensors"
         if digest is None:
             return None
         try:
-            return {"generation": generation, "bytes": path.stat().st_size, "digest": digest}
+            size = self._model_file(generation).stat().st_size
+            return {"generation": generation, "bytes": size, "digest": digest}
         except FileNotFoundError:
             return None
 
