@@ -5,11 +5,13 @@ HTTP forward proxy that reaps long connections work the same as direct ones.
 """
 
 import asyncio
+import errno
 import gc
 import hashlib
 import logging
 import math
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -331,6 +333,18 @@ def _add_error_handlers(app: FastAPI) -> None:
             },
         )
 
+    @app.exception_handler(OSError)
+    async def _os_error(request: Request, exc: OSError) -> JSONResponse:
+        if exc.errno in STORAGE_FULL_ERRNOS:
+            return _storage_full(request, exc)
+        raise exc  # anything else is a bug: the server logs it, the client gets a 500
+
+    @app.exception_handler(sqlite3.OperationalError)
+    async def _sqlite_error(request: Request, exc: sqlite3.OperationalError) -> JSONResponse:
+        if "disk is full" in str(exc):  # SQLITE_FULL: the transaction was rolled back
+            return _storage_full(request, exc)
+        raise exc
+
     @app.exception_handler(OverflowError)
     async def _overflow(_: Request, exc: OverflowError) -> JSONResponse:
         # integers past SQLite's 64-bit range (path or query parameters, spec fields)
@@ -338,6 +352,27 @@ def _add_error_handlers(app: FastAPI) -> None:
             status_code=422,
             content={"error": "out_of_range", "detail": f"a number is out of range: {exc}"},
         )
+
+
+#: a write refused for want of space (the device, or the user's quota)
+STORAGE_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: how long a client waits before it sends a request refused for a full disk again
+STORAGE_FULL_RETRY_S = 5
+
+
+def _storage_full(request: Request, exc: Exception) -> JSONResponse:
+    """507: the coordinator's disk is full. Nothing of the request was kept (a blob part keeps
+    what reached the disk and resumes after it; a transaction was rolled back): the client
+    sends it again later, as after a 503."""
+    log.warning("storage full: %s %s refused (%s)", request.method, request.url.path, exc)
+    return JSONResponse(
+        status_code=507,
+        content={
+            "error": "storage_full",
+            "detail": "the coordinator's disk is full; nothing was kept, send it again later",
+        },
+        headers={"Retry-After": str(STORAGE_FULL_RETRY_S)},
+    )
 
 
 def as_site(who: str, site: str) -> None:

@@ -52,7 +52,9 @@ def read_responses_in_large_pieces(size: int = RESPONSE_READ_BYTES) -> None:
 
 read_responses_in_large_pieces()
 
-RETRY_STATUS = {502, 503, 504}
+#: answers worth sending again: the coordinator (or a proxy before it) is away or busy, or
+#: its disk is full (507, nothing kept)
+RETRY_STATUS = {502, 503, 504, 507}
 #: a JSON request answered 408 (its body came too slowly) never reached its handler: resend it
 JSON_RETRY_STATUS = RETRY_STATUS | {408}
 #: refusals of one part that a resync (asking the coordinator where to resume) fixes
