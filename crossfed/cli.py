@@ -164,6 +164,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     coordinator = Coordinator(
         Path(args.state_dir),
         keep_models=args.keep_models,
+        keep_deltas=args.keep_deltas,
         **({} if every is None else {"ledger_checkpoint_every": every}),
     )
     app = create_app(coordinator, Tokens.load(Path(args.secrets)), max_request_s=args.max_request_s)
@@ -894,6 +895,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the last N generations' global models (bf16, what sites download), so a "
         "site that starts or resumes up to N-1 rounds behind still secures every round's "
         "model; 0 keeps them all (default: 3, as the fp32 masters)",
+    )
+    serve.add_argument(
+        "--keep-deltas",
+        action="store_true",
+        help="keep every merged delta and generation 0's fp32 master, so the run can be "
+        "audited and replayed from its start (bench/soak_check.py); the state directory "
+        "grows by each round's deltas",
     )
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
     serve.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")

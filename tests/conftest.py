@@ -168,15 +168,18 @@ def _reap_workflows() -> Iterator[None]:
 
 
 @contextmanager
-def coordinator_keeping_every_model(state: Path) -> Iterator[LiveCoordinator]:
+def coordinator_keeping_every_model(
+    state: Path, keep: tuple[str, ...] = ("--keep-models", "0")
+) -> Iterator[LiveCoordinator]:
     """A standalone ``coordinator serve --keep-models 0`` in ``state`` (every global model
-    kept, as a run that sites may join late is served), stopped on leaving."""
+    kept, as a run that sites may join late is served; ``keep`` names other retention
+    flags), stopped on leaving."""
     state.mkdir(parents=True, exist_ok=True)
     secrets = ensure_secrets(state / "secrets.yaml", SITES)
     port = free_port("127.0.0.1")
     cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir",
            str(state), "--secrets", str(state / "secrets.yaml"), "--host", "127.0.0.1",
-           "--port", str(port), "--keep-models", "0"]  # fmt: skip
+           "--port", str(port), *keep]  # fmt: skip
     with open(state / "coordinator.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

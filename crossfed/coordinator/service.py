@@ -100,6 +100,7 @@ class Coordinator:
         monotonic: Callable[[], float] | None = None,
         keep_generations: int = 3,
         keep_models: int | None = None,
+        keep_deltas: bool = False,
         ledger_checkpoint_every: int = CHECKPOINT_EVERY,
         merge_holds_lock: bool | None = None,
     ) -> None:
@@ -122,6 +123,9 @@ class Coordinator:
         #: starts or resumes rounds behind still secures each round's model; the fp32 master
         #: and momentum (restarts need only the newest) keep ``keep_generations``
         self.keep_models = keep_generations if keep_models is None else keep_models
+        #: keep every merged delta and generation 0's master: the run can be replayed from
+        #: its start by an auditor (``bench/soak_check.py``); the disk grows every round
+        self.keep_deltas = keep_deltas
         self.ledger_checkpoint_every = ledger_checkpoint_every
         self.lock = threading.RLock()
         self.conn = store.connect(state_dir / "state.sqlite")
@@ -298,8 +302,9 @@ class Coordinator:
     def _retain(self, generation: int, closed_round: int) -> None:
         """Retention once generation ``generation`` is committed: keep the last
         ``keep_generations`` generations' masters and ``keep_models`` generations' global
-        models, delete the merged rounds' delta blobs, and blobs or partial uploads no delta
-        refers to after ``BLOB_GRACE_S``."""
+        models, delete the merged rounds' delta blobs (kept with ``keep_deltas``, as is
+        generation 0's master), and blobs or partial uploads no delta refers to after
+        ``BLOB_GRACE_S``."""
         oldest = {
             "master": generation - max(1, self.keep_generations) + 1,
             "global": generation - self.keep_models + 1 if self.keep_models > 0 else 0,
@@ -308,11 +313,16 @@ class Coordinator:
             oldest["global"] = min(oldest["global"], oldest["master"])
         for path in self.models_dir.iterdir():
             match = _MODEL_FILE.match(path.name)
-            if match is not None and int(match.group(2)) < oldest[match.group(1)]:
-                path.unlink(missing_ok=True)
+            if match is not None:
+                kind, generation_of = match.group(1), int(match.group(2))
+                replay_start = self.keep_deltas and (kind, generation_of) == ("master", 0)
+                if generation_of < oldest[kind] and not replay_start:
+                    path.unlink(missing_ok=True)
             elif path.name.startswith(".") and path.name.endswith(".tmp"):
                 path.unlink(missing_ok=True)  # left by a killed write (this merge is the only one)
         merged, pending = store.delta_blobs(self.conn, closed_round)
+        if self.keep_deltas:
+            merged, pending = [], [*merged, *pending]
         deleted = self.blobs.prune(drop=merged, keep=pending, grace_s=BLOB_GRACE_S)
         if deleted:
             with store.Transaction(self.conn):

@@ -18,7 +18,9 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from crossfed.coordinator.blobs import BlobStore
 from crossfed.report import contributions, round_table
+from crossfed.wire.digests import digest_file
 from tests.conftest import LiveCoordinator, coordinator_keeping_every_model, tiny_spec
 from tests.unit.test_coordinator_http import (
     delta_file,
@@ -105,6 +107,27 @@ def test_resume_only_waits_for_a_joining_sites_data(
     assert done.returncode == 0, done.stderr[-3000:]
     assert "data are not prepared yet" in done.stdout
     assert run.client().status()["round"] == 1  # the run is as it was
+
+
+def test_keep_deltas_keeps_every_merged_delta_and_the_first_master(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """``coordinator serve --keep-deltas``: an auditor can replay the run from generation 0
+    (its master and every merged delta stay); without it both go (the test beside)."""
+    state = tmp_path / "state"
+    sent = []
+    with coordinator_keeping_every_model(state, ("--keep-deltas",)) as live:
+        live.client().init_run(tiny_spec(tiny_data).to_dict())
+        for r in range(1, 6):
+            model = global_model(live, r - 1, tmp_path)
+            lease = join_and_lease(live, "lumi", tiny_data, round_no=r)
+            sent.append(delta_file(tmp_path, model, seed=r, name=f"delta-{r}"))
+            submit(live, "lumi", lease, sent[-1], generation=r - 1, round_no=r)
+            wait_round_closed(live, r)
+        masters = sorted(p.name for p in (state / "models").glob("master-*.safetensors"))
+        assert masters == [f"master-{g:06d}.safetensors" for g in (0, 3, 4, 5)]
+        kept = BlobStore(state / "blobs").keys()
+        assert {digest_file(path) for path in sent} <= set(kept)
 
 
 def test_keep_models_keeps_every_rounds_global_model_for_a_late_site(
