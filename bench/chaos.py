@@ -220,13 +220,26 @@ class ChaosProxy:
 
 
 # ---------------------------------------------------------------------------- processes
-def spawn_coordinator(state_dir: Path, port: int, timeout_s: float = 240.0) -> subprocess.Popen:
-    """``crossfed coordinator serve`` in its own session, appending to coordinator.log."""
+def spawn_coordinator(
+    state_dir: Path,
+    port: int,
+    timeout_s: float = 240.0,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """``crossfed coordinator serve`` (with ``args``, in ``env`` over ours) in its own
+    session, appending to coordinator.log."""
     cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir"]
     cmd += [str(state_dir), "--secrets", str(state_dir / "secrets.yaml"), "--port", str(port)]
+    cmd += args
     with open(state_dir / "coordinator.log", "ab") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,0 +1,306 @@
+"""bench/soak_check.py on a real short chaos campaign: the faulted run checks out, and each
+kind of damage done to a copy of its state is caught.
+
+The campaign is bench/chaos.py's (a real coordinator SIGKILLed and restarted, three real
+site processes of which two depart and rejoin, a faulty proxy), its coordinator served with
+``--keep-deltas``: the rebuild needs every merged delta and generation 0's master, which
+retention otherwise deletes.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import random
+import shutil
+import sqlite3
+import struct
+import subprocess
+import sys
+from contextlib import closing
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from bench import chaos
+from bench.soak_check import DeltaBlob, LedgerReplay, block_order, check, space_digest
+from crossfed.coordinator.service import read_ledger
+from crossfed.darl.blockspace import BlockSpace
+from crossfed.darl.leases import LeaseBook, LeaseError
+from crossfed.darl.ledger import apply_event
+from crossfed.wire.codecs import open_delta, save_delta
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKER = REPO / "bench" / "soak_check.py"
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Campaign:
+    state: Path
+    model: Path
+    figures: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory: pytest.TempPathFactory) -> Campaign:
+    root = tmp_path_factory.mktemp("soak")
+    config = replace(chaos.SHORT, seed=0)
+    with pytest.MonkeyPatch.context() as patch:
+        keeping = functools.partial(chaos.spawn_coordinator, args=("--keep-deltas",))
+        patch.setattr(chaos, "spawn_coordinator", keeping)
+        data = chaos.prepare_data(root, config)
+        figures = chaos.run_campaign(root / "chaos", config, data)
+    return Campaign(root / "chaos" / "coordinator", Path(figures["model"]), figures)
+
+
+@pytest.fixture
+def state(campaign: Campaign, tmp_path: Path) -> Path:
+    """A copy of the campaign's state directory, free to damage."""
+    return shutil.copytree(campaign.state, tmp_path / "state")
+
+
+def execute(state: Path, sql: str, *params: Any) -> int:
+    """Run one statement on the state database; returns the rows it changed."""
+    with closing(sqlite3.connect(state / "state.sqlite")) as conn, conn:
+        return conn.execute(sql, params).rowcount
+
+
+def merged_delta(state: Path, round_no: int) -> dict[str, Any]:
+    with closing(sqlite3.connect(state / "state.sqlite")) as conn:
+        conn.row_factory = sqlite3.Row
+        row = conn.execute(
+            "SELECT * FROM deltas WHERE round_no = ? ORDER BY lease_id LIMIT 1", (round_no,)
+        ).fetchone()
+    assert row is not None, f"no delta was accepted for round {round_no}"
+    return dict(row)
+
+
+def blob_path(state: Path, key: str) -> Path:
+    algo, _, hexdigest = key.partition(":")
+    return state / "blobs" / algo / hexdigest[:2] / hexdigest
+
+
+def first_tensor_offset(path: Path) -> int:
+    """Byte offset of the first tensor's first value in a safetensors file."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    header.pop("__metadata__", None)
+    return 8 + size + min(entry["data_offsets"][0] for entry in header.values())
+
+
+def add_to_bf16(path: Path, offset: int, amount: float) -> None:
+    """Add ``amount`` to the bf16 value at ``offset`` of ``path``, in place."""
+    raw = bytearray(path.read_bytes())
+    (bits,) = struct.unpack("<H", raw[offset : offset + 2])
+    value = np.array([bits << 16], dtype=np.uint32).view(np.float32)[0] + np.float32(amount)
+    raw[offset : offset + 2] = struct.pack("<H", int(np.float32(value).view(np.uint32)) >> 16)
+    path.write_bytes(bytes(raw))
+
+
+def run_cli(*args: str) -> tuple[int, dict[str, Any]]:
+    done = subprocess.run(
+        [sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=120
+    )
+    return done.returncode, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------- the checker
+def test_checker_shares_no_code_with_the_coordinator() -> None:
+    tree = ast.parse(CHECKER.read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a relative import"
+            imported.add((node.module or "").split(".")[0])
+    assert "crossfed" not in imported
+    assert imported <= set(sys.stdlib_module_names) | {"numpy", "safetensors"}, imported
+
+
+@pytest.mark.parametrize(
+    "n_windows, block_size, seed", [(1, 1, 0), (219, 16, 11), (5000, 3, 2**64 - 1)]
+)
+def test_block_order_is_the_coordinators(n_windows: int, block_size: int, seed: int) -> None:
+    space = BlockSpace(n_windows, block_size, seed)
+    assert space_digest(n_windows, block_size, seed) == space.digest()
+    for epoch in range(3):
+        order = block_order(space.n_blocks, seed, epoch)
+        assert order.tolist() == space.permutation(epoch).tolist()
+
+
+@pytest.mark.parametrize("encoding", ["none", "int8", "int4"])
+def test_delta_decoding_is_the_coordinators(encoding: str, tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"a": (3, 5), "b": (7,), "c": (2, 3, 67)}
+    reference = {n: torch.randn(s, generator=generator) for n, s in shapes.items()}
+    trained = {
+        n: t + 0.01 * torch.randn(t.shape, generator=generator) for n, t in reference.items()
+    }
+    path = tmp_path / "delta.safetensors"
+    save_delta(trained, reference, path, codec=encoding)
+    blob = DeltaBlob(path, "blake3:test")
+    assert blob.encoding == encoding
+    with open_delta(path) as delta:
+        for name, shape in shapes.items():
+            want = delta[name].float().reshape(-1).numpy()
+            assert np.array_equal(blob.decode(name, shape), want), name
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
+    """Random commands (grants, steals, heartbeats, commits, releases, expiries, restarts'
+    grace, epochs) on the coordinator's LeaseBook; the checker's replay of the ones it took
+    ends with the same leases and the same per-site counts."""
+    rng = random.Random(seed)
+    book, taken, now, round_no = LeaseBook(23), [], 0.0, 1
+    for _ in range(2000):
+        now += rng.uniform(0.0, 3.0)
+        round_no += rng.random() < 0.02
+        site = rng.choice("abc")
+        held = [lease for lease in book.active_leases() if lease.site == site]
+        op = rng.choice(["register", "grant", "steal", "heartbeat", "commit", "release"] * 2
+                        + ["expire", "grace"])  # fmt: skip
+        args: dict[str, Any] = {"now": now, "site": site}
+        if op in ("grant", "steal"):
+            args.update(ttl_s=rng.uniform(2, 20), round_no=round_no + rng.randint(0, 1))
+            if op == "grant":
+                args.update(n_blocks=rng.randint(1, 6))
+        elif op in ("heartbeat", "commit", "release"):
+            if not held:
+                continue
+            lease = rng.choice(held)
+            args.update(lease_id=lease.lease_id)
+            if op != "release":
+                args.update(consumed=rng.randint(lease.consumed, lease.end - lease.start))
+        try:
+            apply_event(book, op, args)
+        except LeaseError:
+            continue
+        taken.append((op, args))
+        if book.epoch_complete():
+            apply_event(book, "next_epoch", {"now": now})
+            taken.append(("next_epoch", {"now": now}))
+    replay = LedgerReplay(23)
+    for seq, (op, args) in enumerate(taken, 1):
+        replay.apply(seq, op, args)
+    assert replay.refused == [] and replay.epoch == book.epoch > 1
+    snapshot = book.snapshot()
+    fields = ("site", "round_no", "epoch", "start", "end", "consumed", "status", "expires_at")
+    assert {i: tuple(lease[f] for f in fields) for i, lease in snapshot["leases"].items()} == {
+        i: tuple(getattr(lease, f) for f in fields) for i, lease in replay.leases.items()
+    }
+    assert sum(s["steals"] for s in snapshot["stats"].values()) > 0
+    for site, stats in snapshot["stats"].items():
+        mine = replay.figures(site)
+        assert (mine.granted, mine.committed, mine.reclaimed) == (
+            stats["blocks_granted"], stats["blocks_committed"], stats["blocks_lost"],
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- a faulted run
+def test_faulted_run_checks_out(campaign: Campaign) -> None:
+    assert sum(campaign.figures["injected"].values()) > 0  # a faulted run
+    result = check(campaign.state, campaign.model)
+    assert result["problems"] == []
+    assert result["ok"] is True
+    assert result["replay_max_error"] is not None and result["replay_max_error"] <= 1e-6
+    assert result["replay_momentum_max_error"] <= 1e-6
+    assert result["rounds_replayed"] == result["generation"] == chaos.SHORT.rounds
+    for key in ("blocks_lost", "blocks_duplicated", "site_sum_mismatch", "granted_mismatch"):
+        assert result[key] == 0, key
+    assert result["late_commits"] == result["round_mismatches"] == 0
+    assert result["deltas_accepted"] == campaign.figures["deltas_accepted"]
+    assert result["blocks_committed"] == campaign.figures["blocks_committed"]
+    table3 = {row["site"]: row for row in read_ledger(campaign.state) if row["site"] != "total"}
+    assert set(table3) == set(result["sites"])
+    for site, row in table3.items():
+        mine = result["sites"][site]
+        assert (mine["granted"], mine["committed"], mine["reclaimed"]) == (
+            row["blocks_granted"], row["blocks_committed"], row["blocks_lost"],
+        )  # fmt: skip
+    code, printed = run_cli(str(campaign.state), "--model", str(campaign.model))
+    assert code == 0 and printed["ok"] is True
+
+
+def test_duplicated_commit_is_caught(state: Path) -> None:
+    execute(
+        state,
+        "INSERT INTO darl_events (op, args) "
+        "SELECT op, args FROM darl_events WHERE op = 'commit' ORDER BY seq LIMIT 1",
+    )
+    result = check(state)
+    assert result["blocks_duplicated"] > 0
+    assert result["ok"] is False
+    code, printed = run_cli(str(state))
+    assert code == 1 and printed["blocks_duplicated"] == result["blocks_duplicated"]
+
+
+def test_removed_delta_is_caught(state: Path) -> None:
+    delta = merged_delta(state, 2)
+    assert execute(state, "DELETE FROM deltas WHERE lease_id = ?", delta["lease_id"]) == 1
+    result = check(state, rebuild=False)
+    assert result["blocks_lost"] >= delta["consumed"]
+    assert result["granted_mismatch"] > 0
+    assert result["site_sum_mismatch"] > 0
+    assert result["round_mismatches"] > 0  # round 2's report names a delta that is gone
+    assert result["ok"] is False
+
+
+def test_changed_delta_blob_is_caught(state: Path) -> None:
+    blob = blob_path(state, merged_delta(state, 2)["blob"])
+    add_to_bf16(blob, first_tensor_offset(blob), 0.5)
+    result = check(state)
+    assert result["replay_max_error"] > 1e-3
+    assert result["ok"] is False
+    ledger = ("blocks_lost", "blocks_duplicated", "late_commits", "round_mismatches")
+    assert all(result[key] == 0 for key in ledger)  # the bytes, not the ledger, are wrong
+
+
+def test_perturbed_final_model_is_caught(campaign: Campaign, state: Path, tmp_path: Path) -> None:
+    model = Path(shutil.copy(campaign.model, tmp_path / "final.safetensors"))
+    add_to_bf16(model, first_tensor_offset(model), 0.01)
+    result = check(state, model)
+    assert result["replay_max_error"] > 1e-3
+    assert result["ok"] is False
+
+
+def test_commit_moved_to_next_round_is_caught(state: Path) -> None:
+    delta = merged_delta(state, 2)
+    execute(state, "UPDATE deltas SET round_no = 3 WHERE lease_id = ?", delta["lease_id"])
+    result = check(state, rebuild=False)
+    assert result["late_commits"] >= 1
+    assert any("its lease is of round 2" in p for p in result["problems"])
+    assert result["ok"] is False
+
+
+# ---------------------------------------------------------------------------- what it cannot read
+def test_deleted_delta_blob_is_reported_not_raised(state: Path) -> None:
+    key = merged_delta(state, 3)["blob"]
+    blob_path(state, key).unlink()
+    result = check(state)
+    assert result["replay_max_error"] is None and result["rounds_replayed"] == 0
+    assert any(f"cannot rebuild: delta blob {key}" in p and "retention" in p
+               for p in result["problems"])  # fmt: skip
+    assert check(state, rebuild=False)["ok"] is True
+
+
+def test_unknown_delta_encoding_is_refused_by_name(state: Path) -> None:
+    path = blob_path(state, merged_delta(state, 1)["blob"])
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    header["__metadata__"] = {**header.get("__metadata__", {}), "crossfed.codec": "zstd"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + size :])
+    result = check(state)
+    assert result["ok"] is False
+    assert any("'zstd'" in p and "cannot rebuild" in p for p in result["problems"])
