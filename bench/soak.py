@@ -49,6 +49,7 @@ import os
 import queue
 import random
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -370,9 +371,14 @@ class SmallDisk:
         return filler
 
     def unmount(self) -> None:
-        if self.mounted:
-            subprocess.run(["umount", "-l", str(self.path)], check=False)
-            self.mounted = False
+        """Unmount the tmpfs, its files kept in a directory of the same name."""
+        if not self.mounted:
+            return
+        kept = shutil.copytree(self.path, self.path.with_name(self.path.name + ".kept"))
+        subprocess.run(["umount", "-l", str(self.path)], check=True)
+        self.path.rmdir()
+        kept.rename(self.path)
+        self.mounted = False
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -587,9 +593,10 @@ def run_soak(root: Path, config: SoakConfig, data: Path) -> dict[str, Any]:
             kill(soak.coordinator, signal.SIGTERM)
         for proxy in proxies.values():
             proxy.stop()
-    figures = judge(soak, began_at, wall_s, model)
-    disk.unmount()
-    return figures
+    try:
+        return {**judge(soak, began_at, wall_s, model), "run_dir": str(root)}
+    finally:
+        disk.unmount()
 
 
 # ---------------------------------------------------------------------------- judging
@@ -687,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": config.rounds,
         "sites": len(SITES),
         "seed": config.seed,
-        **{k: v for k, v in soak.items() if k not in ("model", "began_at")},
+        **{k: v for k, v in soak.items() if k != "began_at"},
         "final_val_perplexity": round(chaos.val_perplexity(Path(soak["model"]), data), 3),
     }
     if not args.no_reference and args.preset != "ci":
@@ -700,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
     result["config"] = asdict(config)
-    result["workdir"] = str(root)
+    result["run_dir"] = soak["run_dir"]  # the coordinator's state, the sites' logs and journals
     print(json.dumps(result))
     return 0
 

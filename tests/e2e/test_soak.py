@@ -11,29 +11,17 @@ disk's 507, and a final master the checker rebuilds from generation 0 within 1e-
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.conftest import SoakRun
+
 pytestmark = pytest.mark.slow
 
 
-def test_a_hundred_faults_keep_exactly_once_and_the_model_replays(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "soak.py"), "--preset", "ci"]
-        + ["--workdir", str(tmp_path), "--seed", "1"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+def test_a_hundred_faults_keep_exactly_once_and_the_model_replays(soak_ci: SoakRun) -> None:
+    result = soak_ci.result
     faults = result["faults"]
     assert result["faults_injected"] >= 100, faults
     # every family of fault happened: site kills, coordinator kills, the network's faults

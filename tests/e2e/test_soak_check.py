@@ -1,16 +1,15 @@
-"""bench/soak_check.py on a real short chaos campaign: the faulted run checks out, and each
-kind of damage done to a copy of its state is caught.
+"""bench/soak_check.py on the soak's CI run: the faulted run checks out, and each kind of
+damage done to a copy of its state is caught.
 
-The campaign is bench/chaos.py's (a real coordinator SIGKILLed and restarted, three real
-site processes of which two depart and rejoin, a faulty proxy), its coordinator served with
-``--keep-deltas``: the rebuild needs every merged delta and generation 0's master, which
-retention otherwise deletes.
+The run is bench/soak.py's CI preset (a real coordinator SIGKILLed anytime and mid-merge,
+three real site processes SIGKILLed and restarted, per-site faulty proxies, a full disk),
+its coordinator served with ``--keep-deltas``: the rebuild needs every merged delta and
+generation 0's master, which retention otherwise deletes.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import json
 import random
 import shutil
@@ -19,7 +18,7 @@ import struct
 import subprocess
 import sys
 from contextlib import closing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,13 @@ import numpy as np
 import pytest
 import torch
 
-from bench import chaos
 from bench.soak_check import DeltaBlob, LedgerReplay, block_order, check, space_digest
 from crossfed.coordinator.service import read_ledger
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import LeaseBook, LeaseError
 from crossfed.darl.ledger import apply_event
 from crossfed.wire.codecs import open_delta, save_delta
+from tests.e2e.conftest import SoakRun
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKER = REPO / "bench" / "soak_check.py"
@@ -48,15 +47,9 @@ class Campaign:
 
 
 @pytest.fixture(scope="module")
-def campaign(tmp_path_factory: pytest.TempPathFactory) -> Campaign:
-    root = tmp_path_factory.mktemp("soak")
-    config = replace(chaos.SHORT, seed=0)
-    with pytest.MonkeyPatch.context() as patch:
-        keeping = functools.partial(chaos.spawn_coordinator, args=("--keep-deltas",))
-        patch.setattr(chaos, "spawn_coordinator", keeping)
-        data = chaos.prepare_data(root, config)
-        figures = chaos.run_campaign(root / "chaos", config, data)
-    return Campaign(root / "chaos" / "coordinator", Path(figures["model"]), figures)
+def campaign(soak_ci: SoakRun) -> Campaign:
+    """The soak's CI run (its coordinator served with ``--keep-deltas``)."""
+    return Campaign(soak_ci.state, soak_ci.model, soak_ci.result)
 
 
 @pytest.fixture
@@ -207,13 +200,13 @@ def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
 
 # ---------------------------------------------------------------------------- a faulted run
 def test_faulted_run_checks_out(campaign: Campaign) -> None:
-    assert sum(campaign.figures["injected"].values()) > 0  # a faulted run
+    assert campaign.figures["faults_injected"] > 0  # a faulted run
     result = check(campaign.state, campaign.model)
     assert result["problems"] == []
     assert result["ok"] is True
     assert result["replay_max_error"] is not None and result["replay_max_error"] <= 1e-6
     assert result["replay_momentum_max_error"] <= 1e-6
-    assert result["rounds_replayed"] == result["generation"] == chaos.SHORT.rounds
+    assert result["rounds_replayed"] == result["generation"] == campaign.figures["rounds"]
     for key in ("blocks_lost", "blocks_duplicated", "site_sum_mismatch", "granted_mismatch"):
         assert result[key] == 0, key
     assert result["late_commits"] == result["round_mismatches"] == 0
