@@ -3,9 +3,9 @@
 Real processes throughout: a coordinator SIGKILLed and restarted, three training site
 processes of which two depart and rejoin, all traffic through a proxy that refuses, delays
 and kills connections. The run must finish its rounds with every block of a finished epoch
-merged exactly once, nothing a site was told is committed missing, and no 5xx. It runs twice:
-plain rounds, and overlapped rounds (``--overlap``: each site trains an early lease of the
-next round while its delta is sent and merged, so a killed site may hold two leases).
+merged exactly once, nothing a site was told is committed missing, and no 5xx. Plain
+rounds only: the soak (tests/e2e/test_soak.py) runs overlapped rounds under many more faults
+with the same checks.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("overlap", [False], ids=["plain"])
 def test_short_chaos_campaign_keeps_exactly_once(tmp_path: Path, overlap: bool) -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "chaos.py"), "--short", "--no-reference"]

@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import yaml
 
+from tests.conftest import SITES
 from tests.e2e.conftest import SoakRun
 
 pytestmark = pytest.mark.slow
@@ -40,3 +42,12 @@ def test_a_hundred_faults_keep_exactly_once_and_the_model_replays(soak_ci: SoakR
     assert result["replay_max_error"] <= 1e-6
     assert result["deltas_accepted"] >= result["rounds"]
     assert result["final_val_perplexity"] < 512  # trained: better than uniform over the vocab
+    assert result["early_leases"] > 0  # overlapped rounds: leases granted before their round
+    # no token in any log the soak wrote: coordinator, site processes, journals
+    secrets = yaml.safe_load((soak_ci.state / "secrets.yaml").read_text())
+    tokens = [secrets["admin"], *secrets["sites"].values()]
+    logs = [*soak_ci.run_dir.glob("*.log"), *soak_ci.run_dir.glob("journal-*.jsonl")]
+    assert {path.stem for path in soak_ci.run_dir.glob("*.log")} == set(SITES)
+    for log in [*logs, soak_ci.state / "coordinator.log"]:
+        text = log.read_text(errors="replace")
+        assert not any(token in text for token in tokens), f"a token appears in {log.name}"
