@@ -35,8 +35,9 @@ accepted delta) judge the run. The last line printed is one JSON object:
 ``recovery_s``  (per kind: median and max seconds from the fault to the hit site's next
     accepted delta, any site's for coordinator and disk faults)
 
-Run: ``python bench/soak.py`` (about 1,000 faults; about 25 minutes with the fault-free run)
-or ``--preset ci`` (about 100 faults in under 5 minutes, no fault-free run: the test suite's).
+Run: ``python bench/soak.py`` (80 rounds of 100 inner steps, about 1,000 faults; about 25
+minutes with the fault-free run) or ``--preset ci`` (10 rounds of 8 steps, 100-200 faults in
+about 3 minutes, no fault-free run: the test suite's).
 """
 
 from __future__ import annotations
@@ -84,23 +85,23 @@ MiB = 1 << 20
 class SoakConfig:
     """One soak: the run's shape and the fault schedule's knobs."""
 
-    rounds: int = 60
+    rounds: int = 80
     seed: int = 0
-    documents: int = 8
+    documents: int = 64  # about three rounds an epoch
     inner_steps: int = 100  # a phase of several seconds: compute is most of a round
     overlap: bool = True
     site_kill_every: int = 5  # rounds between two kills of one site
     coordinator_every: int = 6  # rounds between two coordinator faults
     disk_full_every: int = 7  # rounds between two full-disk spells
     disk_full_s: tuple[float, float] = (2.0, 5.0)
-    refuse_p: float = 0.12  # per new connection
-    drop_reply_p: float = 0.07
+    refuse_p: float = 0.15  # per new connection
+    drop_reply_p: float = 0.08
     lifetime_s: tuple[float, float] = (0.5, 3.0)  # every connection is reset after this
-    stall_p: float = 0.04  # per request
+    stall_p: float = 0.05  # per request
     stall_s: tuple[float, float] = (1.0, 4.0)
-    slow_p: float = 0.04
+    slow_p: float = 0.05
     slow_bytes_per_s: int = 256 << 10
-    replay_p: float = 0.05
+    replay_p: float = 0.06
     replay_delay_s: tuple[float, float] = (0.2, 3.0)
     commit_hold_p: float = 0.08
     commit_hold_s: float = 9.0  # past the lease's shortest TTL (6 s)
@@ -124,12 +125,11 @@ PRESETS = {
     "full": SoakConfig(),
     "ci": SoakConfig(
         rounds=10,
+        documents=8,
         inner_steps=8,
         site_kill_every=3,
         coordinator_every=3,
         disk_full_every=4,
-        refuse_p=0.15,
-        drop_reply_p=0.08,
         stall_s=(0.5, 2.0),
         timeout_s=270.0,
     ),
