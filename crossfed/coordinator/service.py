@@ -155,6 +155,8 @@ class Coordinator:
         """Rebuild in-memory state from disk after a (re)start."""
         self.spec = spec
         self.space = BlockSpace(spec.n_windows, spec.block_size, spec.data_seed)
+        with store.Transaction(self.conn):  # a ledger of another block space is refused
+            self.ledger.bind_space(self.space.digest(), self.space.n_blocks)
         self.book = LeaseBook(self.space.n_blocks)
         replayed = self.ledger.replay(self.book)
         if self.book.active_leases():  # sites could not heartbeat while we were down

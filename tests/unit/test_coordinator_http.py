@@ -18,7 +18,7 @@ from crossfed.coordinator.embedded import (
     wait_until_serving,
 )
 from crossfed.coordinator.http_client import Refused
-from crossfed.darl.ledger import COMMITTED_TABLE
+from crossfed.darl.ledger import COMMITTED_TABLE, META_TABLE
 from tests.conftest import SITES, LiveCoordinator, digest_of, stop
 
 
@@ -280,3 +280,14 @@ def test_sigkilled_coordinator_comes_back_with_its_state(
     assert sorted(info["report"]["contributors"]) == ["lumi", "snellius"]
     rows = committed_rows(run)
     assert len(rows) == len({(r[0], r[1]) for r in rows}) == a["n_blocks"] + b["n_blocks"]
+
+
+def test_the_ledger_is_bound_to_the_runs_block_space(run: LiveCoordinator, tiny_data: Path) -> None:
+    """A run's DARL ledger records the block space it leases from (an auditor checks it, and
+    a ledger of another space is refused when the coordinator loads it)."""
+    with sqlite3.connect(run.state_dir / "state.sqlite") as conn:
+        bound = dict(conn.execute(f"SELECT key, value FROM {META_TABLE}").fetchall())
+    assert bound["space_digest"] == digest_of(tiny_data)
+    run.kill()
+    run.restart()  # loading it again binds the same space: no refusal
+    assert run.client().status()["round"] == 1
