@@ -34,6 +34,14 @@ HERE = config["here"] or SITES
 LOCAL_SITES = [s for s in HERE if SITE_CONFIG[s].scheduler != "slurm"]
 SLURM_SITES = [s for s in HERE if SITE_CONFIG[s].scheduler == "slurm"]
 
+# Which ready job takes a free core (or Slurm job slot) first. The site loop needs only
+# the run (run.json), and it goes first, with the probe and plan that size a Slurm chain's
+# job: a site that starts late also has a probe, plan, merge and evaluation ready for each
+# round closed before it came, and the loop must not wait for a core behind them. A
+# round's own bookkeeping comes next, then the evaluations (priority 0), which run alongside.
+SITE_LOOP_PRIORITY = 10
+ROUND_PRIORITY = 1
+
 # How jobs find crossfed: an Apptainer image (LUMI, Frontier) or environment modules
 # (Snellius), used under the profile's software-deployment-method; the conda environment
 # documents the same software for `--sdm conda`.

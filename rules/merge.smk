@@ -22,6 +22,7 @@ rule merge:
     # it waits on the coordinator: no core of the workflow's is held while it does, so the
     # next round's probe, plan and evaluations keep pace with the site loops
     threads: 0
+    priority: ROUND_PRIORITY
     conda:
         CONDA_ENV
     shell:

@@ -25,6 +25,7 @@ rule plan:
         # exists, so it appears only once filled
         draft=lambda wildcards: f"{RESULTS}/rounds/{wildcards.for_round}/.plan-draft.json",
         results=lambda wildcards, output: Path(output.plan).parents[2],
+    priority: ROUND_PRIORITY
     conda:
         CONDA_ENV
     shell:
@@ -59,6 +60,7 @@ rule plan_job:
         crossfed=CROSSFED,
         config=CONFIG,
         done=rounds_done,
+    priority: SITE_LOOP_PRIORITY  # the chain's next job's shape
     conda:
         CONDA_ENV
     shell:

@@ -17,6 +17,7 @@ rule probe:
         history=f"{RESULTS}/probes/history.csv",
         python=PYTHON,
         config=CONFIG,
+    priority: ROUND_PRIORITY
     conda:
         CONDA_ENV
     shell:
@@ -41,6 +42,7 @@ rule probe_job:
         sites=config["sites_file"],
         only=" ".join(f"--site {s}" for s in SLURM_SITES),
         history=lambda wildcards: f"{RESULTS}/probes/history-{wildcards.site}.csv",
+    priority: SITE_LOOP_PRIORITY  # it sizes the chain's next job
     conda:
         CONDA_ENV
     shell:

@@ -3,8 +3,10 @@
 # Every site runs the same site loop (crossfed.site.loop): a long-lived job that trains the
 # coordinator's current round and the ones after it back to back, taking each round's
 # accumulation A from the newest plan (the barrier fill), and never replays a round the
-# coordinator has closed, so a site that starts late trains the round that is open. A site
-# without a batch scheduler runs one such job for the run (rule train). A Slurm site runs a
+# coordinator has closed, so a site that starts late trains the round that is open. The loop
+# needs only the run (run.json), no round's probe, plan or merge, and it takes the first
+# free core or job slot (SITE_LOOP_PRIORITY): a late site's jobs for the closed rounds record
+# them alongside it, never ahead of it. A site without a batch scheduler runs one such job for the run (rule train). A Slurm site runs a
 # chain of allocations (checkpoint train_job): each job has the planned shape and starts no
 # round it could not finish before its walltime; the workflow then probes, plans and submits
 # the next job, which carries on from whatever round is current by then. A job that dies
@@ -28,6 +30,7 @@ rule train:
         crossfed=CROSSFED_JOB,
         config=CONFIG,
     threads: 1
+    priority: SITE_LOOP_PRIORITY
     retries: 2
     conda:
         CONDA_ENV
@@ -55,6 +58,7 @@ checkpoint train_job:
         crossfed=CROSSFED_JOB,
         config=CONFIG,
     threads: 1
+    priority: SITE_LOOP_PRIORITY
     retries: 3
     resources:
         slurm_partition=lambda wildcards, input: job_shape(input, wildcards)["partition"],

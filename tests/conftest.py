@@ -169,22 +169,29 @@ def _reap_workflows() -> Iterator[None]:
 
 @contextmanager
 def coordinator_keeping_every_model(
-    state: Path, keep: tuple[str, ...] = ("--keep-models", "0")
+    state: Path,
+    keep: tuple[str, ...] = ("--keep-models", "0"),
+    certificate: tuple[Path, Path] | None = None,
 ) -> Iterator[LiveCoordinator]:
     """A standalone ``coordinator serve --keep-models 0`` in ``state`` (every global model
     kept, as a run that sites may join late is served; ``keep`` names other retention
-    flags), stopped on leaving."""
+    flags), stopped on leaving. With ``certificate`` (its PEM file and key) it serves
+    HTTPS on localhost, as the README's coordinator VM does; the caller trusts it
+    (``SSL_CERT_FILE``)."""
     state.mkdir(parents=True, exist_ok=True)
     secrets = ensure_secrets(state / "secrets.yaml", SITES)
     port = free_port("127.0.0.1")
     cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir",
            str(state), "--secrets", str(state / "secrets.yaml"), "--host", "127.0.0.1",
            "--port", str(port), *keep]  # fmt: skip
+    if certificate is not None:
+        cmd += ["--ssl-certfile", str(certificate[0]), "--ssl-keyfile", str(certificate[1])]
+    scheme, host = ("https", "localhost") if certificate else ("http", "127.0.0.1")
     with open(state / "coordinator.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_until_serving(proc, state, "127.0.0.1", port, 240)
-        yield LiveCoordinator(f"http://127.0.0.1:{port}", state, secrets, proc, port)
+        wait_until_serving(proc, state, host, port, 240, scheme)
+        yield LiveCoordinator(f"{scheme}://{host}:{port}", state, secrets, proc, port)
     finally:
         stop(proc)
 

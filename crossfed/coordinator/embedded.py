@@ -159,16 +159,22 @@ def launch_coordinator(
 
 
 def wait_until_serving(
-    proc: subprocess.Popen, state_dir: Path, host: str, port: int, timeout_s: float
+    proc: subprocess.Popen,
+    state_dir: Path,
+    host: str,
+    port: int,
+    timeout_s: float,
+    scheme: str = "http",
 ) -> None:
     """Poll ``/v1/health`` until ``proc`` itself answers; kill it if it never does.
 
     An answer from another process (one that took ``port`` while ``proc`` was starting, e.g. a
     coordinator of a test running at the same time) is not taken for ``proc``'s: ``proc``
-    then fails to bind and exits, which raises ``EndpointError``.
+    then fails to bind and exits, which raises ``EndpointError``. With ``scheme="https"``
+    the certificate must be trusted (``SSL_CERT_FILE``).
     """
     log_path = state_dir / "coordinator.log"
-    url = f"http://{host}:{port}"
+    url = f"{scheme}://{host}:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,15 +1,23 @@
-"""A site whose workflow starts rounds late: it skips the closed rounds and trains the open one.
+"""A site whose workflow starts rounds late: its site loop trains the open round first.
 
-A real coordinator process runs the run another site (lumi, driven from the test over the
-HTTP API) has carried to round ``LATE``: rounds before it are closed, round ``LATE`` is held
-open by lumi's live lease and heartbeats. snellius's own Snakemake (local profile,
-``here=[snellius]``, its token only) then starts: its site loop trains round ``LATE``, the
-open one, and no earlier round; every probe and plan of a closed round ends without planning.
+The real multi-site shape: a coordinator process serves over TLS (a certificate made here,
+``--keep-models 0``), and another site (lumi, driven from the test over HTTPS) has carried
+the run to round ``LATE``: rounds before it are closed, round ``LATE`` is held open by
+lumi's live lease and heartbeats. snellius then starts its own Snakemake in its own copy of
+the checkout (local profile, ``here=[snellius]``), with its own copy of the certificate
+(``SSL_CERT_FILE``) and its token only, on one core: every job waits for that core in
+Snakemake's queue. Its site loop needs only the run and goes first; it leases in the round
+it registered in and trains round ``LATE``, the open one, and no earlier round. The jobs
+of the closed rounds run after it, each probe and plan ending without planning, and every
+record the report needs is there at the end.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import sqlite3
 import subprocess
 import threading
 import time
@@ -23,10 +31,21 @@ from safetensors.torch import load_file
 
 from crossfed.catchup import OPEN
 from crossfed.darl.blockspace import BlockSpace
+from crossfed.darl.ledger import EVENTS_TABLE
 from crossfed.sched.planner import read_plan
 from crossfed.sched.probe import PROBE_COLUMNS
+from crossfed.testing.tls import self_signed
 from tests.conftest import LiveCoordinator, coordinator_keeping_every_model
-from tests.helpers.workflow import BIN, crossfed_cli, finish, snakemake, wait_for, workdir
+from tests.helpers.workflow import (
+    BIN,
+    checkout,
+    crossfed_cli,
+    finish,
+    job_times,
+    snakemake,
+    wait_for,
+    workdir,
+)
 from tests.unit.test_coordinator_http import delta_file, global_model, wait_round_closed
 from tests.unit.test_security import cli_config
 from tests.unit.test_site_views import close_round_one
@@ -75,31 +94,56 @@ class Lumi:
         return thread
 
 
-def site_workdir(tmp: Path, live: LiveCoordinator) -> Path:
-    """snellius's clone: the run's config, pointing at the standalone coordinator."""
-    tmp.mkdir()
-    cwd = workdir(tmp, rounds=ROUNDS)
+def site_clone(tmp: Path, live: LiveCoordinator) -> Path:
+    """snellius's own copy of the checkout: the run's config, the coordinator's HTTPS URL,
+    its own copy of the certificate, no secrets file (its token comes from the environment)."""
+    cwd = workdir(checkout(tmp), rounds=ROUNDS)
     path = cwd / "config" / "config.yaml"
     config = yaml.safe_load(path.read_text())
     config["coordinator"].update(url=live.url, secrets=str(cwd / "no-secrets-here.yaml"))
+    config["round_policy"]["join_window_s"] = 2  # lumi's rounds close 2 s after its lease
     path.write_text(yaml.safe_dump(config))
+    shutil.copy2(live.state_dir / "cert.pem", cwd / "ca.pem")
     return cwd
 
 
+def first_lease(state: Path, site: str) -> tuple[int, int]:
+    """The round that was open when ``site`` first registered, and the round of its first
+    lease, from the coordinator's ledger (its DARL events) and round table."""
+    with sqlite3.connect(state / "state.sqlite") as conn:
+        events = conn.execute(f"SELECT op, args FROM {EVENTS_TABLE} ORDER BY seq").fetchall()
+        rounds = conn.execute("SELECT round_no, opened_at, closed_at FROM rounds").fetchall()
+    mine = [(op, args) for op, args in ((op, json.loads(a)) for op, a in events)
+            if args.get("site") == site]  # fmt: skip
+    registered = next(args["now"] for op, args in mine if op == "register")
+    leased = next(args["round_no"] for op, args in mine if op in ("grant", "steal"))
+    (open_then,) = [
+        r for r, opened, closed in rounds
+        if opened <= registered and (closed is None or registered < closed)
+    ]  # fmt: skip
+    return open_then, leased
+
+
 @pytest.fixture
-def live(tmp_path: Path) -> Iterator[LiveCoordinator]:
-    """A standalone coordinator that keeps every global model (`--keep-models 0`, as a run
-    that sites may join late is served): the late site secures generations 0..LATE-1."""
-    with coordinator_keeping_every_model(tmp_path / "coordinator") as live:
+def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveCoordinator]:
+    """The coordinator VM: a standalone coordinator over TLS that keeps every global model
+    (`--keep-models 0`, as a run that sites may join late is served): the late site secures
+    generations 0..LATE-1. The test (the operator, lumi) trusts its certificate."""
+    state = tmp_path / "coordinator"
+    state.mkdir()
+    certificate = self_signed(state)
+    monkeypatch.setenv("SSL_CERT_FILE", str(certificate[0]))
+    with coordinator_keeping_every_model(state, certificate=certificate) as live:
         yield live
 
 
 @pytest.mark.slow
-def test_a_late_site_skips_closed_rounds_and_trains_the_open_one(
+def test_a_late_site_trains_first_and_records_the_closed_rounds_beside_it(
     live: LiveCoordinator, tmp_path: Path
 ) -> None:
     tokens = live.secrets
-    cwd = site_workdir(tmp_path / "snellius", live)
+    assert live.url.startswith("https://")
+    cwd = site_clone(tmp_path / "snellius", live)
     # the operator creates the run from the same config; snellius's data are prepared
     crossfed_cli(cwd, "data", "prepare", "--config", "config/config.yaml", token=tokens["admin"])
     crossfed_cli(cwd, "run", "init", "--config", "config/config.yaml", token=tokens["admin"])
@@ -113,13 +157,14 @@ def test_a_late_site_skips_closed_rounds_and_trains_the_open_one(
     held = lumi.lease(LATE)
     beats = lumi.hold_open(held)
     started = time.time()
-    proc = snakemake(cwd, "--config", "here=[snellius]",
-                     env={"CROSSFED_TOKEN": tokens["sites"]["snellius"]})  # fmt: skip
+    proc = snakemake(cwd, "--config", "here=[snellius]", repo=cwd, cores=1,
+                     env={"CROSSFED_TOKEN": tokens["sites"]["snellius"],
+                          "SSL_CERT_FILE": str(cwd / "ca.pem")})  # fmt: skip
     results = cwd / "results"
     leased_at: list[float] = []
 
     def snellius_trains() -> bool:
-        """snellius leased round LATE (or already sent its delta): its catch-up is over."""
+        """snellius trained round LATE (its lease's time noted) and planned it."""
         if not leased_at and any(
             lease["site"] == "snellius" for lease in live.client().status()["active_leases"]
         ):
@@ -140,13 +185,30 @@ def test_a_late_site_skips_closed_rounds_and_trains_the_open_one(
         beats.join(timeout=10)
     lumi.deliver(LATE, held)
     finish(proc)
-    if leased_at:  # the catch-up's length, for the eye (bench/multisite.py measures it)
-        print(f"late join: snellius leased round {LATE} {leased_at[0] - started:.1f} s after "
-              f"its workflow started, rounds 1-{LATE - 1} closed")  # fmt: skip
+
+    # the site loop went first: no job of a closed round was started before it, though
+    # they were ready with it and one core serves them all
+    times = job_times(cwd)
+    loop_log = f"results/logs/train/snellius-through-{ROUNDS}.log"
+    loop_started = times[loop_log][0]
+    closed_jobs = {
+        log: when for log, when in times.items()
+        if re.fullmatch(rf"results/logs/(probe|plan|merge)/[1-{LATE - 1}]\.log", log)
+    }  # fmt: skip
+    assert len(closed_jobs) == 3 * (LATE - 1), sorted(times)
+    first_closed = min(start for start, _ in closed_jobs.values())
+    assert loop_started < first_closed, (loop_started, sorted(closed_jobs.items()))
+    # and it leased in the round it registered in: the open round, no round later
+    registered_in, leased_in = first_lease(live.state_dir, "snellius")
+    assert registered_in == LATE and leased_in <= registered_in + 1, (registered_in, leased_in)
+    print(f"late join: snellius's site loop started {loop_started - started:.1f} s after its "
+          f"workflow, leased round {leased_in} at {(leased_at or [float('nan')])[0] - started:.1f}"
+          f" s; the jobs of rounds 1-{LATE - 1} ran from {first_closed - started:.1f} s to "
+          f"{max(end for _, end in closed_jobs.values()) - started:.1f} s")  # fmt: skip
 
     logs = results / "logs"
-    (train_log,) = (logs / "train").glob("snellius-*.log")  # the site loop's one job
-    train_text = train_log.read_text()
+    train_text = (cwd / loop_log).read_text()  # the site loop's one job
+    assert list((logs / "train").glob("snellius-*.log")) == [cwd / loop_log]
     for r in range(1, LATE):  # closed: nothing probed, planned, leased or trained
         assert not (results / "rounds" / str(r) / "train" / "snellius.json").exists()
         assert f"[snellius r{r}]" not in train_text and f"round {r}: starting" not in train_text
@@ -158,6 +220,8 @@ def test_a_late_site_skips_closed_rounds_and_trains_the_open_one(
         # the round's record and global model, as every site keeps them
         assert json.loads((results / "rounds" / str(r) / "merge.json").read_text())["round_no"] == r
         assert (results / "checkpoints" / f"global-{r}.safetensors").stat().st_size > 0
+    for generation in range(ROUNDS + 1):  # every generation evaluated, the older ones too
+        assert json.loads((results / "rounds" / str(generation) / "eval.json").read_text())
     # the open round: probed, planned (the barrier filled), trained, as any site's round
     record = json.loads((results / "rounds" / str(LATE) / "train" / "snellius.json").read_text())
     assert record["status"] == "accepted" and record["steps"] > 0 and record["compute_s"] > 0

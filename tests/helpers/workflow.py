@@ -60,8 +60,9 @@ def small_run(
 
 
 def workdir(tmp_path: Path, rounds: int = 3) -> Path:
-    """A run directory with a small config: short rounds, tiny windows."""
-    (tmp_path / "config").mkdir()
+    """A run directory (or a site's copy of the checkout) with a small config: short rounds,
+    tiny windows."""
+    (tmp_path / "config").mkdir(exist_ok=True)
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     small_run(config, rounds)
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
@@ -109,12 +110,19 @@ def background(cmd: list[str], cwd: Path, env: Mapping[str, str], log: Path) -> 
 
 
 def snakemake(
-    cwd: Path, *extra: str, name: str = "snakemake", env: dict[str, str] | None = None
+    cwd: Path,
+    *extra: str,
+    name: str = "snakemake",
+    env: dict[str, str] | None = None,
+    repo: Path = REPO,
+    cores: int = 4,
 ) -> subprocess.Popen:
-    """The workflow on the local profile in ``cwd``, in the background; reaped at the end."""
+    """The workflow of ``repo`` (this checkout, or a site's own copy of it) on its local
+    profile in ``cwd``, in the background; reaped at the end."""
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **(env or {})}
-    cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"),
-           "--profile", str(REPO / "profiles" / "local"), "--cores", "4", *extra]  # fmt: skip
+    cmd = [str(BIN / "snakemake"), "-s", str(repo / "Snakefile"),
+           "--profile", str(repo / "profiles" / "local"), "--cores", str(cores),
+           *extra]  # fmt: skip
     proc = background(cmd, cwd, env, cwd / f"{name}.out")
     STARTED.append((proc, cwd))
     return proc
@@ -237,6 +245,18 @@ def log_has_steps(path: Path, round_no: int) -> bool:
     """The site's own step lines ("[lumi r2] step 5 (global ...") show it is mid-phase."""
     site = path.name.split("-")[0]
     return path.exists() and f"[{site} r{round_no}] step " in path.read_text()
+
+
+def job_times(cwd: Path) -> dict[str, tuple[float, float]]:
+    """When each finished job of the workflow in ``cwd`` started and ended, by its rule log
+    (``results/logs/...``), from Snakemake's own job records (``.snakemake/metadata``)."""
+    times = {}
+    for path in (cwd / ".snakemake" / "metadata").rglob("*"):
+        if path.is_file():
+            record = json.loads(path.read_text())
+            for log in record.get("log") or []:
+                times[log] = (float(record["starttime"]), float(record["endtime"]))
+    return times
 
 
 def check_ledger(results: Path) -> pd.DataFrame:
