@@ -4,7 +4,8 @@ documents. The figures of such small runs mean nothing; a bench that no longer r
 import or a signature it uses changed) fails here instead of when someone next measures.
 
 The benches that start whole Snakemake workflows run in tests/e2e/test_bench_smoke_e2e.py;
-bench/chaos.py and bench/multisite.py have tests of their own (ELSEWHERE).
+bench/chaos.py, bench/multisite.py, bench/soak.py and bench/soak_check.py have tests of their
+own (ELSEWHERE).
 A new bench/*.py needs an entry in SMOKES or WORKFLOW_SMOKES (or ELSEWHERE), or
 test_every_bench_has_a_smoke_test fails.
 """
@@ -130,6 +131,8 @@ WORKFLOW_SMOKES = [
 ELSEWHERE = {
     "bench/chaos.py": "tests/e2e/test_chaos_short.py",
     "bench/multisite.py": "tests/e2e/test_multisite.py",
+    "bench/soak.py": "tests/e2e/test_soak.py",  # its CI preset, once a session
+    "bench/soak_check.py": "tests/e2e/test_soak_check.py",  # on that run's state
 }
 
 
