@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.crossfed-installed
 
-.PHONY: run test setup system-deps lint bench clean
+.PHONY: run test setup system-deps lint docs bench clean
 
 # pip's output (and any build warnings) goes to $(INSTALL_LOG); a failure prints its tail
 INSTALL_LOG := $(VENV)/install.log
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@# CPU build from local disk on this kind of machine; GPU sites install their own torch first
 	@$(PIP) --upgrade pip >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }
 	@$(PIP) torch==2.13.0 >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }
-	@$(PIP) -e '.[test]' >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }
+	@$(PIP) -e '.[test,docs]' >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -39,17 +39,28 @@ run: setup
 system-deps:
 	bash scripts/install-system-deps.sh
 
-# Unit tests on two workers (pytest-xdist; a file's tests stay on one worker), then the e2e
-# tests one at a time: they start whole workflows, Slurm clusters and Chromium.
+# The docs site (mkdocs.yml) into site/; --strict: a broken link or anchor fails the build
+# (no --quiet: it would hide the warnings that strict counts).
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# Lint, the docs build, unit tests on two workers (pytest-xdist; a file's tests stay on one
+# worker), then the e2e tests one at a time: they start whole workflows, Slurm clusters and
+# Chromium.
 test: setup system-deps
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ruff check crossfed tests bench
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ruff check crossfed tests bench scripts
+	$(MKDOCS)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -n 2 --dist loadfile tests/unit \
 		--timeout 1800 --durations=30
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q tests/e2e --timeout 1800 --durations=30
 
 lint: setup
-	$(BIN)/ruff check crossfed tests bench
+	$(BIN)/ruff check crossfed tests bench scripts
 	$(BIN)/snakemake --lint
+
+# docs/config-reference.md from workflow/schemas/, then the site
+docs: setup
+	$(BIN)/python scripts/config_reference.py
+	$(MKDOCS)
 
 clean:
 	rm -rf results .snakemake

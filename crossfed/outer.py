@@ -116,7 +116,7 @@ def effective_sites(shares: Sequence[float]) -> float:
 #: best at the workflow's H=25 and the paper's H=100 of those measured (docs: Quality).
 AVERAGE_STEP: tuple[float, float] = (1.0, 0.0)
 
-#: the ``tuned`` preset's outer rate for one contributor and its momentum (README, Quality)
+#: the ``tuned`` preset's outer rate for one contributor and its momentum (docs/quality.md)
 TUNED_SOLO_ETA = 1.0
 TUNED_BETA = 0.0
 
@@ -127,7 +127,7 @@ def tuned_step(shares: Sequence[float]) -> tuple[float, float]:
 
     A lone site's delta is adopted as it is (its run continues as if never interrupted);
     several sites' mean delta is damped by their number. The measurements behind it are
-    README.md's Quality tables (``bench/quality.py``).
+    docs/quality.md's tables (``bench/quality.py``).
     """
     return TUNED_SOLO_ETA / math.sqrt(effective_sites(shares)), TUNED_BETA
 

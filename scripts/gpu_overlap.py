@@ -96,7 +96,7 @@ def sites_file(args: argparse.Namespace) -> dict[str, Any]:
                 "rtt_ms": 0,
                 "scheduler": "none",
                 "transport": "direct",
-                # the planner's prior until round 1 is measured (README: one H200, 0.6B)
+                # the planner's prior until round 1 is measured (docs/benchmarks.md: one H200, 0.6B)
                 "tokens_per_s_per_gpu": 48000 if args.device.startswith("cuda") else 2000,
             }
         }

@@ -1,8 +1,8 @@
 """End to end: a finished run is extended, changed and mistyped, as a user would rerun it.
 
 In a copy of the checkout (its ``.venv`` the venv this test runs from, ``PATH`` without it),
-the README's own command trains one round with the local profile; the README's extend
-command with ``rounds=2`` then adds round 2 and leaves every file of round 1 and the
+the documented command trains one round with the local profile; the extend command of
+docs/resume.md with ``rounds=2`` then adds round 2 and leaves every file of round 1 and the
 coordinator's ledger as they were, byte for byte. Reruns that would change what round 1
 means (other data, a mistyped input, other sites, fewer rounds) are refused when the
 workflow is read, with a message, and change nothing at all.
@@ -23,18 +23,17 @@ import pytest
 import yaml
 
 from crossfed.darl.ledger import COMMITTED_TABLE, EVENTS_TABLE
-from tests.helpers.workflow import REPO, checkout, workdir
+from tests.helpers.workflow import checkout, doc_section, workdir
 
 pytestmark = pytest.mark.slow
 USER_PATH = "/usr/bin:/bin"  # a login shell's PATH: no venv on it
 
 
 def readme_extend_command() -> list[str]:
-    """The extend command as the README gives it, in "Resuming and extending a run"."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Resuming and extending a run") :]
+    """The extend command as docs/resume.md gives it ("Resuming and extending a run")."""
+    section = doc_section("# Resuming and extending a run", "docs/resume.md")
     (line,) = re.findall(r"`(\.venv/bin/snakemake --profile profiles/local --config rounds=\d+)`",
-                         section[: section.index("\n## ", 3)])  # fmt: skip
+                         section)  # fmt: skip
     return shlex.split(line)
 
 

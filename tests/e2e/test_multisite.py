@@ -1,11 +1,11 @@
 """The run as sites really run it: one coordinator, separate sites with their own everything.
 
 A coordinator VM (its own copy of the checkout) serves over TLS with a CA made here; the
-secrets come from the README's ``crossfed coordinator secrets`` and the run from its
+secrets come from docs/real-site.md's ``crossfed coordinator secrets`` and the run from its
 ``run init``, with the admin token. Two sites, lumi and snellius, each have their own
 copy of the checkout and working directory, only their own token, their own home, their
 own copy of the CA (trusted through ``SSL_CERT_FILE``), their own Snakemake started with
-the README's command and their own profile (``here: [<site>]``), and each submits to its
+the page's command and their own profile (``here: [<site>]``), and each submits to its
 own Slurm 22.05 cluster: two clusters on this host with their own munged, MariaDB,
 slurmdbd, slurmctld, ports, state and node names. Each site's login-node commands find
 their cluster through ``SLURM_CONF``; each cluster's slurmds (and so its jobs, whose inner
@@ -13,7 +13,7 @@ their cluster through ``SLURM_CONF``; each cluster's slurmds (and so its jobs, w
 namespace, as a site's nodes have their own (``SlurmTestCluster(..., system_conf=None,
 private_etc=True)``). Nothing is shared between the sites but the coordinator's URL.
 
-lumi starts first (it prepares the data the VM creates the run from, as the README says);
+lumi starts first (it prepares the data the VM creates the run from, as the page says);
 snellius starts while lumi trains round 1, prepares its own data and joins rounds late, at
 the coordinator's current round. lumi's training job is cancelled by its Slurm
 (``scancel``) mid-round and submitted again; later snellius's workflow is interrupted
@@ -63,6 +63,7 @@ from tests.helpers.slurm_cluster import (
 )
 from tests.helpers.workflow import (
     BARE_PATH,
+    REAL_SITE,
     VENV,
     background,
     bash,
@@ -196,7 +197,7 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Slu
 
 
 def site_edits(site: str, root: Path, cluster: SlurmTestCluster, url: str, image: Path) -> None:
-    """The README's "edit ..." steps at one site, filled in for its cluster and a tiny run."""
+    """The page's "edit ..." steps at one site, filled in for its cluster and a tiny run."""
     (train, _), (evaluation, _) = LAYOUT[site].values()
 
     def profile(p: dict) -> None:
@@ -247,12 +248,12 @@ def run_edits(root: Path, account: str) -> None:
 
 
 class Site:
-    """One site: its clone, its cluster, its environment and its README commands."""
+    """One site: its clone, its cluster, its environment and its documented commands."""
 
     def __init__(self, name: str, root: Path, cluster: SlurmTestCluster, token: str) -> None:
         self.name, self.root, self.cluster, self.token = name, root, cluster, token
         self.results = root / "results"
-        each_site = bash_blocks("### 3. Each site")[0]
+        each_site = bash_blocks("## 3. Each site", REAL_SITE)[0]
         (export,) = commands(each_site, "export CROSSFED_TOKEN=")
         self.export = export.replace("<this site's token>", token)
         self.run_line = command(each_site, ".venv/bin/snakemake --profile lumi").replace(
@@ -273,7 +274,7 @@ class Site:
         return bash(f"{self.export} && {line}", self.root, self.env, timeout_s)
 
     def start(self) -> subprocess.Popen:
-        """The README's `snakemake --profile <site>` in the background, Ctrl-C-able."""
+        """The page's `snakemake --profile <site>` in the background, Ctrl-C-able."""
         self.runs += 1
         return background(["/bin/bash", "-c", f"{self.export} && {self.run_line}"], self.root,
                           self.env, self.root / f"snakemake-{self.runs}.out")  # fmt: skip
@@ -291,7 +292,7 @@ def stop(proc: subprocess.Popen | None) -> None:
 
 
 def snakemake_pid(proc: subprocess.Popen) -> int:
-    """The Snakemake process under the README command's bash."""
+    """The Snakemake process under the documented command's bash."""
     import psutil
 
     for child in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
@@ -342,12 +343,12 @@ def test_separate_sites_train_one_model(
     assert set(lumi_cluster.node_states()) == {"lumig1", "lumig2"}
     assert set(snellius_cluster.node_states()) == {"snelg1", "snelg2"}
 
-    # 1. the coordinator VM: the README's secrets command, serve with TLS as written
+    # 1. the coordinator VM: the page's secrets command, serve with TLS as written
     vm = checkout(tmp_path / "vm")
     ca, cert, key = make_tls(vm / "tls")
     vm_env = {"HOME": str(vm / "home"), "PATH": f"{VENV / 'bin'}:/usr/bin:/bin",
               "SSL_CERT_FILE": str(ca)}  # fmt: skip
-    setup, init = bash_blocks("### 1. The coordinator VM")
+    setup, init = bash_blocks("## 1. The coordinator VM", REAL_SITE)
     (make_secrets,) = [
         line for line in setup.splitlines() if line.startswith("crossfed coordinator secrets ")
     ]

@@ -1,7 +1,7 @@
-"""The README's real-site commands, run as written, against the test Slurm cluster.
+"""The real-site commands of docs/real-site.md, run as written, against the test Slurm cluster.
 
 A copy of the checkout stands in for a LUMI login node's clone, with the venv this test
-runs from as its ``.venv`` (the README's ``python -m venv .venv && pip install -e .``). The
+runs from as its ``.venv`` (the page's ``python -m venv .venv && pip install -e .``). The
 user's edits of the CHANGE-ME values are made the way a user makes them: the account,
 partitions and memory for the test cluster's nodes, the coordinator's URL, the image, and
 a tiny run (``model.device: cpu``, since the test nodes have no GPU). The commands of
@@ -9,7 +9,7 @@ a tiny run (``model.device: cpu``, since the test nodes have no GPU). The comman
 ``apptainer`` only (tests/helpers/standins/apptainer runs the command without a container; its
 "image" is a folder whose ``bin/crossfed`` records each call), so nothing can find the
 venv's crossfed through ``PATH``. The coordinator of "1. The coordinator VM" runs from its
-own copy of the checkout: the README's secrets command and ``run init`` as written, the
+own copy of the checkout: the page's secrets command and ``run init`` as written, the
 server without TLS on a loopback port.
 """
 
@@ -30,6 +30,7 @@ from crossfed.coordinator.embedded import free_port
 from tests.helpers.slurm_cluster import SlurmTestCluster, slurm_cluster  # noqa: F401 (the session fixture)
 from tests.helpers.workflow import (
     BARE_PATH,
+    REAL_SITE,
     VENV,
     background,
     bash,
@@ -48,12 +49,12 @@ CONFIG = Path("results/.crossfed/config.yaml")
 
 
 def plus(line: str, *args: str) -> str:
-    """A README line with more arguments (before its comment)."""
+    """A documented line with more arguments (before its comment)."""
     return " ".join([line.split("#")[0].strip(), *args])
 
 
 def user_edits(site: Path, cluster: SlurmTestCluster, url: str, image: Path) -> None:
-    """The README's "edit ..." steps, filled in for the test cluster and a tiny run."""
+    """The page's "edit ..." steps, filled in for the test cluster and a tiny run."""
 
     def profile(p: dict) -> None:
         # evaluation on a GPU partition the site does not train on (LUMI: small-g); data
@@ -97,7 +98,8 @@ def test_dry_runs_find_the_profile_and_write_nothing(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path / "home"), "PATH": BARE_PATH}
     assert shutil.which("crossfed", path=BARE_PATH) is None
     assert shutil.which("snakemake", path=BARE_PATH) is None
-    dry = command(bash_blocks("### 3. Each site")[0], ".venv/bin/snakemake --profile lumi -n")
+    each_site = bash_blocks("## 3. Each site", REAL_SITE)[0]
+    dry = command(each_site, ".venv/bin/snakemake --profile lumi -n")
     forms = [
         dry,
         ".venv/bin/snakemake --profile profiles/lumi -n",
@@ -137,7 +139,7 @@ def test_readme_site_commands_run_against_slurm(
 
     # 1. the coordinator VM: the secrets command as written, the server on loopback
     vm_env = {"HOME": str(tmp_path / "home"), "PATH": f"{VENV / 'bin'}:/usr/bin:/bin"}
-    setup, init = bash_blocks("### 1. The coordinator VM")
+    setup, init = bash_blocks("## 1. The coordinator VM", REAL_SITE)
     (make_secrets,) = commands(setup, "crossfed coordinator secrets --out secrets.yaml")
     bash(make_secrets, vm, vm_env)
     assert (vm / "secrets.yaml").stat().st_mode & 0o777 == 0o600
@@ -164,7 +166,7 @@ def run_site(site, vm, cluster, tmp_path, url, init, secrets, vm_env, image) -> 
         "SLURM_CONF": cluster.env["SLURM_CONF"],
         "PYTHONUNBUFFERED": "1",
     }
-    (each_site,) = bash_blocks("### 3. Each site")
+    (each_site,) = bash_blocks("## 3. Each site", REAL_SITE)
     (export,) = commands(each_site, "export CROSSFED_TOKEN=")
     run = command(each_site, ".venv/bin/snakemake --profile lumi")
     dry = command(each_site, ".venv/bin/snakemake --profile lumi -n")

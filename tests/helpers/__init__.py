@@ -1,5 +1,5 @@
 """What the tests share: the workflow helper, the fake coordinator, the Slurm test cluster,
-the chaos tests' site process, stand-ins and captured data (README, "Tests")."""
+the chaos tests' site process, stand-ins and captured data (docs/tests.md)."""
 
 from pathlib import Path
 

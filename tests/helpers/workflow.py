@@ -1,6 +1,7 @@
 """The end-to-end tests' one workflow helper: a small run's directory, the Snakemake workflow
 and `crossfed` started as a user starts them, waits that fail with the workflow's output,
-the ledger's exactly-once checks, and the README's commands as a user types them.
+the ledger's exactly-once checks, and the commands of the README and the docs pages as a
+user types them.
 
 Every local workflow a test starts is recorded, and tests/conftest.py's autouse fixture calls
 ``reap_workflows()`` after each test: a test that fails mid-run leaves nothing running.
@@ -284,14 +285,32 @@ def check_ledger(results: Path) -> pd.DataFrame:
     return ledger
 
 
-# ------------------------------------------------------------------------- the README's commands
-def bash_blocks(heading: str) -> list[str]:
-    """The ```bash blocks of the README section that starts at ``heading``."""
-    text = (REPO / "README.md").read_text()
-    start = text.index(f"\n{heading}\n")
-    end = text.find("\n### ", start + 1)
-    section = text[start : end if end != -1 else len(text)]
-    return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+# ----------------------------------------------------- the commands of the README and docs pages
+#: the page with the real-site steps ("## 1. The coordinator VM", "## 3. Each site")
+REAL_SITE = "docs/real-site.md"
+
+
+def doc_section(heading: str, page: str = "README.md") -> str:
+    """The section of ``page`` (a path from the repository root) under ``heading``, a whole
+    line such as ``## 3. Each site``, up to the next heading of its level or above; a line
+    in a fenced block (a ``# comment`` in a bash block) is no heading."""
+    lines = (REPO / page).read_text().splitlines()
+    assert heading in lines, f"{page} has no heading {heading!r}"
+    start = lines.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    end, fenced = len(lines), False
+    for i in range(start + 1, len(lines)):
+        if lines[i].startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"(#+) ", lines[i])) and len(m.group(1)) <= level:
+            end = i
+            break
+    return "\n".join(lines[start:end]) + "\n"
+
+
+def bash_blocks(heading: str, page: str = "README.md") -> list[str]:
+    """The ```bash blocks of ``page``'s section under ``heading``, as a user reads them."""
+    return re.findall(r"```bash\n(.*?)```", doc_section(heading, page), flags=re.S)
 
 
 def commands(block: str, prefix: str) -> list[str]:
