@@ -285,8 +285,8 @@ def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 # ---------------------------------------------------------------------------- the data
 def prepare_data(root: Path, config: ChaosConfig) -> Path:
     """A small window store from the first documents of the embedded corpus."""
-    from crossfed.train.corpus import write_embedded_corpus
-    from crossfed.train.prepare import prepare
+    from crossfed.data.corpus import write_embedded_corpus
+    from crossfed.data.prepare import prepare
 
     data = root / "data"
     corpus = root / "corpus"
@@ -305,7 +305,7 @@ def prepare_data(root: Path, config: ChaosConfig) -> Path:
 
 
 def run_spec(data: Path, config: ChaosConfig) -> RunSpec:
-    from crossfed.train.windows import read_meta
+    from crossfed.data.windows import read_meta
 
     meta = read_meta(data)
     return RunSpec(
@@ -683,9 +683,9 @@ def val_perplexity(model_path: Path, data: Path) -> float:
     import torch
     from safetensors.torch import load_file
 
+    from crossfed.data.windows import WindowStore
     from crossfed.train.inner import evaluate
     from crossfed.train.model import build_model, load_parameters
-    from crossfed.train.windows import WindowStore
 
     torch.manual_seed(0)
     val = WindowStore.open(data, "val")

@@ -39,6 +39,8 @@ import torch
 from safetensors.torch import load_file
 
 from crossfed.darl.blockspace import BlockSpace
+from crossfed.data.prepare import prepare
+from crossfed.data.windows import WindowStore
 from crossfed.outer import OuterConfig, outer_step
 from crossfed.train.inner import (
     InnerConfig,
@@ -49,9 +51,7 @@ from crossfed.train.inner import (
     run_inner_phase,
 )
 from crossfed.train.model import build_model, load_parameters, parameters_of
-from crossfed.train.prepare import prepare
 from crossfed.train.schedule import LRSchedule
-from crossfed.train.windows import WindowStore
 from crossfed.wire.codecs import BLOCK, BLOCK_INT4, open_delta, save_delta
 
 CODECS = ("none", "int8", "int4")

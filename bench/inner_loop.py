@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from crossfed.darl.blockspace import BlockSpace
+from crossfed.data.prepare import prepare
+from crossfed.data.windows import WindowStore
 from crossfed.site import Heartbeat
 from crossfed.train.distributed import ParallelConfig, Ranks, mfu, parallelize, uses_autocast
 from crossfed.train.inner import (
@@ -41,9 +43,7 @@ from crossfed.train.inner import (
     run_inner_phase,
 )
 from crossfed.train.model import build_model, flops_per_token
-from crossfed.train.prepare import prepare
 from crossfed.train.schedule import LRSchedule
-from crossfed.train.windows import WindowStore
 
 
 class StubClient:

@@ -37,16 +37,16 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from crossfed.train import scatter  # noqa: E402
-from crossfed.train.corpus import (  # noqa: E402
+from crossfed.data import scatter  # noqa: E402
+from crossfed.data.corpus import (  # noqa: E402
     embedded_documents,
     iter_documents,
     resolve_inputs,
     write_shards,
 )
-from crossfed.train.prepare import prepare, request  # noqa: E402
-from crossfed.train.tokenizer import train_tokenizer  # noqa: E402
-from crossfed.train.windows import windows_from_token_files  # noqa: E402
+from crossfed.data.prepare import prepare, request  # noqa: E402
+from crossfed.data.tokenizer import train_tokenizer  # noqa: E402
+from crossfed.data.windows import windows_from_token_files  # noqa: E402
 
 FILES = ("train.bin", "val.bin", "meta.json")
 TOKENS_100B = 100e9

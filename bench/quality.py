@@ -85,6 +85,8 @@ from pathlib import Path
 import torch
 
 from crossfed.darl.blockspace import BlockSpace
+from crossfed.data.prepare import prepare
+from crossfed.data.windows import WindowStore
 from crossfed.outer import (
     AVERAGE_STEP,
     DEFAULT_PRESET,
@@ -104,9 +106,7 @@ from crossfed.train.inner import (
 )
 from crossfed.train.model import build_model, load_parameters, parameters_of
 from crossfed.train.overlap import RULES, OverlapConfig, fold_in
-from crossfed.train.prepare import prepare
 from crossfed.train.schedule import LRSchedule
-from crossfed.train.windows import WindowStore
 from crossfed.wire.deltas import delta_of
 
 PAPER_RATIO = 34.7 / 28.2

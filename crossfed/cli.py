@@ -517,10 +517,10 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file
 
     from crossfed.coordinator.embedded import client_for
+    from crossfed.data.windows import WindowStore
     from crossfed.train.distributed import DistributedError, resolve_device
     from crossfed.train.inner import evaluate
     from crossfed.train.model import build_model, load_parameters
-    from crossfed.train.windows import WindowStore
 
     config = _config(args)
     try:
@@ -574,8 +574,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a global model in the Hugging Face layout, as ``save_pretrained`` would."""
     from safetensors.torch import load_file
 
+    from crossfed.data.windows import read_meta
     from crossfed.train.export import ExportError, export_hf
-    from crossfed.train.windows import read_meta
 
     config = _config(args)
     model = Path(args.model) if args.model else None
@@ -1133,7 +1133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "crossfed data prepare --config config/config.yaml",
         "crossfed data prepare --out data --input c4/en --tokenizer tokenizer.json",
     )  # fmt: skip
-    from crossfed.train.prepare_cli import add_parser as add_prepare
+    from crossfed.data.commands import add_parser as add_prepare
 
     add_prepare(dsub)
     try:

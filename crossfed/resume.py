@@ -39,8 +39,8 @@ def data_changes(config: Mapping[str, Any]) -> list[str]:
     meta_path = Path(data["dir"]) / "meta.json"
     if not meta_path.exists():
         return []
-    from crossfed.train.corpus import CorpusError, resolve_inputs
-    from crossfed.train.prepare import preparation_params, sha256_file
+    from crossfed.data.corpus import CorpusError, resolve_inputs
+    from crossfed.data.prepare import preparation_params, sha256_file
 
     meta = json.loads(meta_path.read_text())
     inputs, tokenizer = data["inputs"], data["tokenizer"]

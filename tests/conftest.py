@@ -28,8 +28,8 @@ from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.coordinator.service import Coordinator
 from crossfed.darl.blockspace import BlockSpace
-from crossfed.train.prepare import prepare
-from crossfed.train.windows import read_meta
+from crossfed.data.prepare import prepare
+from crossfed.data.windows import read_meta
 from crossfed.wire.codecs import save_delta
 
 REPO = Path(__file__).resolve().parent.parent

@@ -152,7 +152,7 @@ def run_spec(config: dict[str, Any], sites: Mapping[str, SiteConfig]) -> RunSpec
     vocabulary (``crossfed run init`` sends it, a rerun compares against it)."""
     from pathlib import Path
 
-    from crossfed.train.windows import read_meta
+    from crossfed.data.windows import read_meta
 
     meta = read_meta(Path(config["data"]["dir"]))
     inner = config["inner"]

@@ -1,7 +1,7 @@
 """``crossfed data prepare``: the command line of data preparation (one process, or N jobs).
 
-The store itself is built by :mod:`crossfed.train.prepare` (one process) or
-:mod:`crossfed.train.scatter` (a plan, N parts, a gather).
+The store itself is built by :mod:`crossfed.data.prepare` (one process) or
+:mod:`crossfed.data.scatter` (a plan, N parts, a gather).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from crossfed.train import scatter
-from crossfed.train.corpus import CorpusError
-from crossfed.train.prepare import (
+from crossfed.data import scatter
+from crossfed.data.corpus import CorpusError
+from crossfed.data.prepare import (
     DEFAULT_SEQ_LEN,
     DEFAULT_SHARDS,
     DEFAULT_VAL_FRACTION,
@@ -22,8 +22,8 @@ from crossfed.train.prepare import (
     prepare,
     request,
 )
-from crossfed.train.tokenizer import TokenizerError
-from crossfed.train.windows import WindowStoreError
+from crossfed.data.tokenizer import TokenizerError
+from crossfed.data.windows import WindowStoreError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

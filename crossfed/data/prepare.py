@@ -9,19 +9,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from crossfed.fileio import atomic_file
-from crossfed.train.corpus import (
+from crossfed.data.corpus import (
     iter_documents,
     resolve_inputs,
     write_embedded_corpus,
 )
-from crossfed.train.tokenizer import (
+from crossfed.data.tokenizer import (
     TOKENIZER_FILE,
     eos_id,
     load_tokenizer,
     train_tokenizer,
 )
-from crossfed.train.windows import (
+from crossfed.data.windows import (
     META_FILE,
     Progress,
     WindowStore,
@@ -30,6 +29,7 @@ from crossfed.train.windows import (
     write_meta,
     write_windows,
 )
+from crossfed.fileio import atomic_file
 
 CORPUS_DIR = "corpus"
 CREATED_BY = "crossfed data prepare"

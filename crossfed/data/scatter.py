@@ -22,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from crossfed.fileio import atomic_file
-from crossfed.train.corpus import iter_documents
-from crossfed.train.prepare import (
+from crossfed.data.corpus import iter_documents
+from crossfed.data.prepare import (
     PrepareError,
     Request,
     finish,
@@ -32,8 +31,8 @@ from crossfed.train.prepare import (
     sha256_file,
     start,
 )
-from crossfed.train.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, vocab_size
-from crossfed.train.windows import (
+from crossfed.data.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, vocab_size
+from crossfed.data.windows import (
     DTYPES,
     META_FILE,
     Progress,
@@ -41,6 +40,7 @@ from crossfed.train.windows import (
     windows_from_token_files,
     write_tokens,
 )
+from crossfed.fileio import atomic_file
 
 PARTS_DIR = ".prepare"
 PLAN_FORMAT = "crossfed-prepare-plan-v1"

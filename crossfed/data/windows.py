@@ -25,8 +25,8 @@ from typing import IO
 import numpy as np
 from tokenizers import Tokenizer
 
+from crossfed.data.tokenizer import vocab_size as tokenizer_vocab_size
 from crossfed.fileio import atomic_file, replace_durably, temp_beside
-from crossfed.train.tokenizer import vocab_size as tokenizer_vocab_size
 
 FORMAT = "crossfed-windows-v1"
 META_FILE = "meta.json"

@@ -48,6 +48,7 @@ from crossfed.coordinator.faults import crash_point
 from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
+from crossfed.data.windows import WindowStore
 from crossfed.fileio import write_atomic
 from crossfed.progress import CONSOLE, site_prefix, step_line
 from crossfed.site.control import Control, FollowerBeat, Heartbeat, RoundClosed
@@ -86,7 +87,6 @@ from crossfed.train.inner import (
 from crossfed.train.model import build_model, flops_per_token
 from crossfed.train.overlap import fold_in
 from crossfed.train.schedule import LRSchedule
-from crossfed.train.windows import WindowStore
 from crossfed.wire.codecs import save_delta
 from crossfed.wire.tensors import open_tensors
 

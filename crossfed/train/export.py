@@ -104,7 +104,7 @@ def hf_state_dict(
 
 def bos_id_of(tokenizer: Path, eos_id: int) -> int:
     """The tokenizer's start-of-text id (a known bos token), else ``eos_id``."""
-    from crossfed.train.tokenizer import load_tokenizer
+    from crossfed.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     for name in BOS_CANDIDATES:

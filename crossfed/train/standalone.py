@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from crossfed.data.windows import WindowStore
 from crossfed.train.distributed import (
     ParallelConfig,
     Ranks,
@@ -41,7 +42,6 @@ from crossfed.train.inner import (
 )
 from crossfed.train.model import build_model
 from crossfed.train.schedule import LRSchedule
-from crossfed.train.windows import WindowStore
 
 
 @dataclass

@@ -30,7 +30,7 @@ from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.ledger import COMMITTED_TABLE
-from crossfed.train.windows import read_meta
+from crossfed.data.windows import read_meta
 from tests.conftest import REPO, LiveCoordinator, start_process, tiny_spec
 from tests.unit.test_coordinator_http import delta_file, global_model
 

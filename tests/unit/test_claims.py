@@ -17,7 +17,7 @@ import pytest
 from crossfed.coordinator.embedded import wait_until_serving
 from crossfed.coordinator.http_client import Refused
 from crossfed.darl.blockspace import BlockSpace
-from crossfed.train.windows import read_meta
+from crossfed.data.windows import read_meta
 from crossfed.wire.digests import digest_file
 from tests.conftest import LiveCoordinator, digest_of
 from tests.unit.test_coordinator_http import delta_file, global_model, join_and_lease, submit

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from crossfed.train.corpus import (
+from crossfed.data.corpus import (
     CorpusError,
     Document,
     embedded_documents,
@@ -73,7 +73,7 @@ def test_same_bytes_every_run_and_across_hash_seeds(tmp_path: Path) -> None:
     first = write_embedded_corpus(tmp_path / "a", shards=3, max_documents=SUBSET)
     second = write_embedded_corpus(tmp_path / "b", shards=3, max_documents=SUBSET)
     code = (
-        "import sys; from pathlib import Path; from crossfed.train.corpus import "
+        "import sys; from pathlib import Path; from crossfed.data.corpus import "
         f"write_embedded_corpus as w; w(Path(sys.argv[1]), shards=3, max_documents={SUBSET})"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crossfed.train import prepare as prepare_mod
-from crossfed.train.corpus import embedded_documents, iter_documents, write_embedded_corpus
-from crossfed.train.prepare import PrepareError, prepare
-from crossfed.train.prepare_cli import add_parser
-from crossfed.train.tokenizer import eos_id, load_tokenizer, train_tokenizer
-from crossfed.train.windows import WindowStore
+from crossfed.data import prepare as prepare_mod
+from crossfed.data.commands import add_parser
+from crossfed.data.corpus import embedded_documents, iter_documents, write_embedded_corpus
+from crossfed.data.prepare import PrepareError, prepare
+from crossfed.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+from crossfed.data.windows import WindowStore
 
 SMALL = dict(vocab_size=300, seq_len=16, val_fraction=0.05)
 REQUIRED = {

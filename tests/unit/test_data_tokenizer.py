@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from crossfed.train.corpus import embedded_documents
-from crossfed.train.tokenizer import (
+from crossfed.data.corpus import embedded_documents
+from crossfed.data.tokenizer import (
     EOS_TOKEN,
     TokenizerError,
     eos_id,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from crossfed.train.corpus import embedded_documents
-from crossfed.train.tokenizer import eos_id, load_tokenizer, train_tokenizer
-from crossfed.train.windows import (
+from crossfed.data.corpus import embedded_documents
+from crossfed.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+from crossfed.data.windows import (
     FORMAT,
     WindowStore,
     WindowStoreError,

@@ -18,12 +18,12 @@ import yaml
 from safetensors.torch import load_file
 
 from crossfed.config import load_run_config, load_sites
+from crossfed.data.windows import WindowStore
 from crossfed.site import SiteRunner
 from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
 from crossfed.train.inner import evaluate
 from crossfed.train.model import build_model, load_parameters
-from crossfed.train.windows import WindowStore
 from tests.conftest import LiveCoordinator
 from tests.unit.test_site_inner import init, site_config
 

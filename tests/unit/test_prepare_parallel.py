@@ -24,13 +24,13 @@ import pytest
 import yaml
 
 from crossfed.config import load_run_config
+from crossfed.data import prepare as prepare_mod
+from crossfed.data import scatter
+from crossfed.data.corpus import embedded_documents, write_embedded_corpus
+from crossfed.data.prepare import PrepareError, prepare, request
+from crossfed.data.tokenizer import train_tokenizer
+from crossfed.data.windows import WindowStore
 from crossfed.resume import data_changes
-from crossfed.train import prepare as prepare_mod
-from crossfed.train import scatter
-from crossfed.train.corpus import embedded_documents, write_embedded_corpus
-from crossfed.train.prepare import PrepareError, prepare, request
-from crossfed.train.tokenizer import train_tokenizer
-from crossfed.train.windows import WindowStore
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -22,12 +22,12 @@ from bench.quality import (
     site_windows,
 )
 from crossfed.darl.blockspace import BlockSpace
+from crossfed.data.windows import WindowStore
 from crossfed.outer import PRESETS
 from crossfed.train.inner import InnerConfig
 from crossfed.train.model import parameters_of
 from crossfed.train.overlap import OverlapConfig
 from crossfed.train.schedule import LRSchedule
-from crossfed.train.windows import WindowStore
 
 SITES, BATCH, H, ROUNDS = 3, 2, 2, 2
 

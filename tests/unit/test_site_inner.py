@@ -20,10 +20,10 @@ import yaml
 from crossfed.config import load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.darl.blockspace import BlockSpace
+from crossfed.data.windows import read_meta
 from crossfed.site import SiteRunner, block_end, out_of_time
 from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
-from crossfed.train.windows import read_meta
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossfed.darl.blockspace import BlockSpace
+from crossfed.data.windows import WindowStore
 from crossfed.train import checkpoint
 from crossfed.train.distributed import Ranks
 from crossfed.train.inner import (
@@ -39,7 +40,6 @@ from crossfed.train.model import (
 )
 from crossfed.train.schedule import LRSchedule
 from crossfed.train.standalone import RecordingReader
-from crossfed.train.windows import WindowStore
 
 SCHEDULE = LRSchedule(peak_lr=2e-3, warmup_steps=2, total_steps=50)
 
