@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from crossfed.backoff import Backoff
 from crossfed.coordinator.http_client import CoordinatorClient, Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.fileio import keep_global_model
@@ -148,8 +149,7 @@ class Control:
         incarnation still holds a lease it cannot continue waits for that lease's TTL to
         return it to the pool (the crash costs exactly that lease), then leases anew.
         """
-        deadline = time.monotonic() + self.s.lease_wait_s
-        delay = 0.5
+        backoff = Backoff(0.5, 5.0, budget_s=self.s.lease_wait_s)
         while True:
             try:
                 reply = self.client.lease(self.site, round_no, want, None, rtt)
@@ -165,10 +165,8 @@ class Control:
                 )
             if reply["lease"] is not None:
                 return reply["lease"]
-            if time.monotonic() > deadline:
+            if not backoff.wait():
                 return None
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
     def confirm(self, cursor: Cursor, joined: dict[str, Any]) -> dict | None:
         """The live lease a checkpoint trained, confirmed by a heartbeat; None if it is gone

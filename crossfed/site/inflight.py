@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from crossfed.backoff import Backoff
 from crossfed.coordinator.faults import crash_point
 from crossfed.coordinator.http_client import STATUS_WAIT_S
 from crossfed.progress import site_prefix
@@ -104,11 +105,13 @@ class InFlight:
 
     def _await_close(self) -> dict[str, Any] | None:
         """The coordinator's status once round ``self.round`` has closed (None: stopped)."""
+        # a coordinator that does not hold the request is asked again every poll_s
+        backoff = Backoff(self.poll_s, self.poll_s, sleep=self._stop.wait)
         while not self._stop.is_set():
             status = self.control.client.status(self.round, wait_s=self.wait_s)
             if int(status["round"]) > self.round:
                 return status
-            self._stop.wait(self.poll_s)  # a coordinator that does not hold the request
+            backoff.wait()
         return None
 
     def wait_sent(self) -> RoundOutcome:

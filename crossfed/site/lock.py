@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from crossfed.backoff import Backoff
+
 log = logging.getLogger("crossfed.site")
 
 LOCK_NAME = "site.lock"
@@ -60,13 +62,13 @@ def hold_site_folder(
     if path in _held:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    deadline, announced = clock() + wait_s, False
+    backoff, announced = Backoff(POLL_S, POLL_S, budget_s=wait_s, sleep=sleep, clock=clock), False
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            if clock() >= deadline:
+            if backoff.expired():
                 os.close(fd)
                 raise SiteBusy(
                     f"{folder} is in use by another job of this site ({_holder(path)}) after "
@@ -75,7 +77,7 @@ def hold_site_folder(
             if not announced:
                 log.warning("waiting for %s: in use by %s", folder, _holder(path))
                 announced = True
-            sleep(POLL_S)
+            backoff.wait()
         except OSError as exc:  # ENOLCK, EOPNOTSUPP: no flock on this filesystem
             os.close(fd)
             log.warning(

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from crossfed.backoff import Backoff
 from crossfed.progress import site_prefix
 
 #: statuses of run_round after which the site's part of that round is over
@@ -256,7 +257,7 @@ def run_chain(
     out = ChainOutcome(site, "walltime", started_at=clock(), deadline=settings.deadline)
     durations = list(settings.history_s)
     done: set[int] = set()
-    delay = settings.poll_s
+    backoff = Backoff(settings.poll_s, max(settings.poll_s, settings.max_poll_s), sleep=sleep)
     if hasattr(runner, "chained"):
         runner.chained = True  # this loop trains the next round while a delta is sent
     overlap = bool(getattr(runner, "overlapped", False))
@@ -304,10 +305,9 @@ def run_chain(
         if action == "stop":
             break
         if action == "wait":
-            sleep(delay)
-            delay = min(delay * 2, settings.max_poll_s)
+            backoff.wait()
             continue
-        delay = settings.poll_s
+        backoff.reset()
         # rank 0's alone: the runner hands the round's A to the other ranks with the lease
         accumulation = accumulation_for(current) if client is not None else None
         log(f"{site_prefix(site)} round {current}: starting (estimate {out.estimate_s or 0:.0f}s)")
