@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from crossfed.cmdline import examples, group
 from crossfed.data import scatter
 from crossfed.data.corpus import CorpusError
 from crossfed.data.prepare import (
@@ -26,6 +27,16 @@ from crossfed.data.tokenizer import TokenizerError
 from crossfed.data.windows import WindowStoreError
 
 
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Register the ``data`` group and its ``prepare`` on the crossfed parser."""
+    dsub = group(
+        sub, "data", "data preparation",
+        "crossfed data prepare --config config/config.yaml",
+        "crossfed data prepare --out data --input c4/en --tokenizer tokenizer.json",
+    )  # fmt: skip
+    add_parser(dsub)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``prepare`` subcommand on ``subparsers``."""
     parser = subparsers.add_parser(
@@ -36,11 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "documentation)\ninto fixed windows of seq_len + 1 tokens for training; a "
             "tokenizer is trained unless one is given.\nUp to date output is left as it is."
         ),
-        epilog=(
-            "examples:\n"
-            "  crossfed data prepare --config config/config.yaml\n"
-            "  crossfed data prepare --out data --input c4/en --tokenizer tokenizer.json "
-            "--seq-len 2048"
+        epilog=examples(
+            "crossfed data prepare --config config/config.yaml",
+            "crossfed data prepare --out data --input c4/en --tokenizer tokenizer.json "
+            "--seq-len 2048",
         ),
     )
     parser.add_argument(

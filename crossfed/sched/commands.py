@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
+from crossfed.cmdline import examples
+
 
 def _handler(name: str) -> Callable[[argparse.Namespace], int]:
     """``crossfed.sched.cli.<name>``, imported when the command runs."""
@@ -31,10 +33,11 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         description="Ask each site's Slurm when a job of every configured shape would start "
         "(sbatch --test-only;\nnothing is submitted) and write the probe table, each shape's "
         "reason and the advice for it.",
-        epilog="examples:\n"
-        "  crossfed probe --sites profiles/slurm/sites.yaml --site lumi --out probe.csv\n"
-        "  crossfed probe --sites profiles/slurm/sites.yaml --out probe.csv "
-        "--sacct-out sacct.txt",
+        epilog=examples(
+            "crossfed probe --sites profiles/slurm/sites.yaml --site lumi --out probe.csv",
+            "crossfed probe --sites profiles/slurm/sites.yaml --out probe.csv "
+            "--sacct-out sacct.txt",
+        ),
     )
     p.add_argument("--sites", required=True, help="the sites file (config/sites.yaml)")
     p.add_argument("--out", required=True, help="probe table to write (CSV)")
@@ -57,11 +60,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "probe table, the sites'\nsacct history (walltime discount gamma) and measured rounds "
         "(the waterfill); write PLAN.json.\nOptions left out come from the sites file's "
         "planner block. 'plan simulate' projects\ntime-to-target for a what-if queue scenario.",
-        epilog="examples:\n"
-        "  crossfed plan --config config/config.yaml --probes probe.csv --out plan.json\n"
-        "  crossfed plan --sites profiles/slurm/sites.yaml --probes probe.csv "
-        "--target-units 8 --out plan.json\n"
-        "  crossfed plan simulate scenario.yaml",
+        epilog=examples(
+            "crossfed plan --config config/config.yaml --probes probe.csv --out plan.json",
+            "crossfed plan --sites profiles/slurm/sites.yaml --probes probe.csv "
+            "--target-units 8 --out plan.json",
+            "crossfed plan simulate scenario.yaml",
+        ),
     )
     q.add_argument(
         "--config",
