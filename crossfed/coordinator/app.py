@@ -42,6 +42,7 @@ from crossfed.coordinator.guards import (
 )
 from crossfed.coordinator.http_ranged import RangedFile
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
+from crossfed.coordinator.s3blobs import ObjectBlobs
 from crossfed.coordinator.service import Coordinator, CoordinatorError
 from crossfed.coordinator.status_page import add_ui_routes
 
@@ -191,6 +192,18 @@ class DeltaBody(BaseModel):
     parts: list[PART_KEY] | None = Field(default=None, min_length=1, max_length=1024)
 
 
+class UploadBody(BaseModel):
+    #: the blob's size in bytes
+    bytes: int = Field(ge=0, le=MAX_INT)
+    #: fresh URLs for this upload (under way) instead of a new upload
+    upload_id: str | None = Field(default=None, min_length=1, max_length=1024)
+
+
+class CompleteBody(BaseModel):
+    #: the blob's size in bytes, as when the upload was asked for
+    bytes: int = Field(ge=0, le=MAX_INT)
+
+
 class ComposeBody(BaseModel):
     #: the blobs to join, in order
     parts: list[PART_KEY] = Field(min_length=1, max_length=1024)
@@ -242,6 +255,7 @@ def create_app(
     _add_run_routes(app, api, stats)
     _add_lease_routes(app, api)
     _add_blob_routes(app, api)
+    _add_object_routes(app, api)
     _add_delta_routes(app, api)
     _with_run_spec_schema(app)
     return app
@@ -428,6 +442,27 @@ class _Api:
         #: the ``who`` parameter of every authenticated route
         self.Caller = Annotated[str, Depends(caller)]
 
+    def file_backend(self) -> None:
+        """Blob bytes through the coordinator only with the file store."""
+        if self.coordinator.backend != "file":
+            raise CoordinatorError(
+                409,
+                "wrong_backend",
+                "blobs live in the object store: ask POST /v1/blobs/{key}/uploads for "
+                "presigned URLs and send the bytes there",
+            )
+
+    def object_backend(self) -> ObjectBlobs:
+        """The object store's blobs, or a 409 saying this coordinator keeps them on disk."""
+        if self.coordinator.s3 is None:
+            raise CoordinatorError(
+                409,
+                "wrong_backend",
+                "this coordinator keeps blobs on its own disk (blobs.backend: file): "
+                "PUT /v1/blobs/{key} and GET /v1/models/{generation} move the bytes",
+            )
+        return self.coordinator.s3
+
     async def may_see_blob(self, who: str, key: str) -> None:
         """A site sees the blobs it uploaded (and its accepted deltas'); the admin sees all."""
         if who == ADMIN:
@@ -441,6 +476,7 @@ class _Api:
         caller's is 403, a missing one 404 ``unknown_blob``, bytes that do not hash to
         ``key`` 422); the parts are deleted once joined."""
         coordinator = self.coordinator
+        self.file_backend()
         parts = [check_key(part) for part in parts]
         for part in parts:
             if who != ADMIN and who not in await run(coordinator.blob_holders, part):
@@ -467,6 +503,7 @@ class _Api:
         sent again whole and byte for byte (then the sender holds it too), so a part of it
         can never be probed or overwritten."""
         coordinator = self.coordinator
+        self.file_backend()
         holders = set() if who == ADMIN else await run(coordinator.blob_holders, key)
         record_after = False
         if who != ADMIN and who not in holders:
@@ -511,7 +548,12 @@ def _add_run_routes(app: FastAPI, api: _Api, stats: StatusStats) -> None:
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
         """Liveness, and the serving process's id (so a launcher knows it reached its own)."""
-        return {"ok": True, "run": coordinator.spec is not None, "pid": os.getpid()}
+        return {
+            "ok": True,
+            "run": coordinator.spec is not None,
+            "pid": os.getpid(),
+            "blobs": coordinator.backend,
+        }
 
     run_spec_schema, _ = _run_spec_schema()
 
@@ -668,6 +710,7 @@ def _add_blob_routes(app: FastAPI, api: _Api) -> None:
     async def blob_state(key: BLOB_KEY, who: Caller) -> dict[str, Any]:
         """Whether a blob is complete, and the offset its upload resumes at."""
         key = check_key(key)
+        api.file_backend()
         await api.may_see_blob(who, key)
         return coordinator.blobs.upload_state(key)
 
@@ -675,10 +718,75 @@ def _add_blob_routes(app: FastAPI, api: _Api) -> None:
     async def get_blob(key: BLOB_KEY, who: Caller) -> RangedFile:
         """A complete blob's bytes (``Range`` requests fetch it in parts)."""
         key = check_key(key)
+        api.file_backend()
         await api.may_see_blob(who, key)
         if not coordinator.blobs.exists(key):
             raise CoordinatorError(404, "unknown_blob", f"no blob {key}")
         return RangedFile(coordinator.blobs.path(key), key, api.max_request_s)
+
+
+def _add_object_routes(app: FastAPI, api: _Api) -> None:
+    """With an object store: presigned URLs for the caller's own uploads and reads, and
+    the coordinator's check of each upload it completes."""
+    coordinator, Caller = api.coordinator, api.Caller
+
+    @app.post("/v1/blobs/{key}/uploads")
+    async def begin_upload(key: BLOB_KEY, body: UploadBody, who: Caller) -> dict[str, Any]:
+        """Presigned URLs for the parts of an upload of blob ``key`` (a new upload, or fresh
+        URLs for ``upload_id``): recorded as the caller's before the first URL is signed.
+        Another site's blob is refused (403)."""
+        s3 = api.object_backend()
+        key = check_key(key)
+        if body.bytes > api.max_blob_bytes:
+            raise BlobError(
+                f"blob of {body.bytes} bytes exceeds the {api.max_blob_bytes}-byte limit",
+                413,
+                "body_too_large",
+            )
+        if who != ADMIN:
+            holders = await run(coordinator.blob_holders, key)
+            if holders and who not in holders:
+                raise CoordinatorError(403, "forbidden", f"blob {key} is another site's upload")
+            await run(coordinator.hold_blob, key, who)
+        return await run(s3.begin, key, who, body.bytes, body.upload_id)
+
+    @app.post("/v1/blobs/{key}/uploads/{upload_id}/complete")
+    async def complete_upload(
+        key: BLOB_KEY,
+        upload_id: Annotated[str, PathParam(min_length=1, max_length=1024)],
+        body: CompleteBody,
+        who: Caller,
+    ) -> dict[str, Any]:
+        """Join the upload's parts; the object is kept only if it hashes to ``key`` (422
+        ``digest_mismatch`` deletes it; a part missing is 409 ``missing_part``)."""
+        s3 = api.object_backend()
+        key = check_key(key)
+        holders = set() if who == ADMIN else await run(coordinator.blob_holders, key)
+        if who != ADMIN and who not in holders:
+            if holders:
+                raise CoordinatorError(403, "forbidden", f"blob {key} is another site's upload")
+            raise CoordinatorError(404, "unknown_upload", f"{who} has no upload of blob {key}")
+        return await run(s3.complete, key, who, upload_id, body.bytes)
+
+    @app.get("/v1/blobs/{key}/url")
+    async def blob_url(key: BLOB_KEY, who: Caller) -> dict[str, Any]:
+        """A presigned GET of the caller's own stored blob ``key``."""
+        s3 = api.object_backend()
+        key = check_key(key)
+        await api.may_see_blob(who, key)
+        stored = await run(s3.stored, key)
+        owner = (
+            who if who in stored else (next(iter(sorted(stored)), None) if who == ADMIN else None)
+        )
+        if owner is None:
+            raise CoordinatorError(404, "unknown_blob", f"no blob {key}")
+        return await run(s3.download, key, owner)
+
+    @app.get("/v1/models/{generation}/url")
+    async def model_url(generation: GENERATION, who: Caller) -> dict[str, Any]:
+        """A presigned GET of generation ``generation``'s global model (its digest and size)."""
+        api.object_backend()
+        return await run(coordinator.model_download, generation)
 
 
 def _add_delta_routes(app: FastAPI, api: _Api) -> None:
@@ -692,6 +800,7 @@ def _add_delta_routes(app: FastAPI, api: _Api) -> None:
         as_site(who, body.site)
         fields = body.model_dump(exclude={"parts"})
         if body.parts:  # unless the caller's blob is whole already (a resent submission)
+            api.file_backend()
             key = check_key(body.blob)
             mine = who == ADMIN or who in await run(coordinator.blob_holders, key)
             if not (mine and coordinator.blobs.exists(key)):
@@ -728,6 +837,7 @@ def _add_delta_routes(app: FastAPI, api: _Api) -> None:
         blob.
         """
         as_site(who, site)
+        api.file_backend()
         digest = x_content_digest or x_content_sha256
         if not digest:
             raise CoordinatorError(

@@ -35,15 +35,22 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from crossfed.coordinator.app import KEEP_ALIVE_S, Tokens, create_app
+    from crossfed.coordinator.objectstore import ObjectStoreConfigError, open_object_store
     from crossfed.coordinator.service import Coordinator
     from crossfed.wire.libc import keep_stream_buffers_in_heap
 
     keep_stream_buffers_in_heap()
     every = args.ledger_checkpoint_every
+    try:
+        objects = open_object_store(args.blobs, Path(args.secrets)) if args.blobs else None
+    except ObjectStoreConfigError as exc:
+        print(f"crossfed coordinator serve: {exc}", file=sys.stderr)
+        return 2
     coordinator = Coordinator(
         Path(args.state_dir),
         keep_models=args.keep_models,
         keep_deltas=args.keep_deltas,
+        objects=objects,
         **({} if every is None else {"ledger_checkpoint_every": every}),
     )
     app = create_app(coordinator, Tokens.load(Path(args.secrets)), max_request_s=args.max_request_s)
@@ -461,6 +468,13 @@ def add_coordinator(sub: argparse._SubParsersAction) -> None:
         help="keep every merged delta and generation 0's fp32 master, so the run can be "
         "audited and replayed from its start (bench/soak_check.py); the state directory "
         "grows by each round's deltas",
+    )
+    serve.add_argument(
+        "--blobs",
+        metavar="YAML",
+        help="keep deltas and global models where this file's 'blobs' section says (a run "
+        "config, or the section alone): 'backend: s3' and its 's3' settings put them in an "
+        "S3-compatible store (docs/objectstore.md); default: the state directory",
     )
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
     serve.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")

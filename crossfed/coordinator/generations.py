@@ -493,13 +493,15 @@ def _live(tokens: Sequence[int]) -> list[int]:
 def merge_step(
     state_path: Path,
     shapes: Mapping[str, tuple[int, ...]],
-    delta_paths: Sequence[Path],
+    delta_paths: Sequence[Path | TensorFile],
     tokens: Sequence[int],
     emit: Emit,
     config: OuterConfig,
 ) -> OuterStepReport:
     """Eq. 1 from generation files: the state in ``state_path`` and the deltas (any codec)
-    in ``delta_paths`` are read tensor by tensor and each new tensor goes to ``emit``.
+    in ``delta_paths`` are read tensor by tensor and each new tensor goes to ``emit``. A
+    delta may also be an open :class:`TensorFile` (an object read in ranges); it is closed
+    with the merge.
 
     The step runs on :func:`pieces` of the tensors (row blocks of the large ones, each of
     :data:`PIECE_BYTES` or less), and ``emit`` gets each piece: a whole tensor, or its row
@@ -519,7 +521,10 @@ def merge_step(
         return [k for name in names for k in keys_of.get(name, [name])]
 
     with ExitStack() as files:
-        blobs = [decoded(files.enter_context(TensorFile(path))) for path in delta_paths]
+        blobs = [
+            decoded(files.enter_context(path if isinstance(path, TensorFile) else TensorFile(path)))
+            for path in delta_paths
+        ]
         state = files.enter_context(TensorFile(state_path))
         keys = state.keys()
         master_names = [k for k in keys if not k.startswith(MOMENTUM)]

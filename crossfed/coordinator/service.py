@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from crossfed.coordinator import store
-from crossfed.coordinator.blobs import BlobStore, check_key
+from crossfed.coordinator.blobs import BlobError, BlobStore, check_key
 from crossfed.coordinator.faults import crash_point
 from crossfed.coordinator.generations import (
     Emit,
@@ -37,6 +37,7 @@ from crossfed.coordinator.generations import (
     read_shapes,
     write_generation,
 )
+from crossfed.coordinator.objectstore import ObjectStore
 from crossfed.coordinator.rounds import close_decision, next_global_step
 from crossfed.coordinator.runspec import (
     EXTENSIBLE,
@@ -45,12 +46,14 @@ from crossfed.coordinator.runspec import (
     differences,
     resolve_outer,
 )
+from crossfed.coordinator.s3blobs import ObjectBlobs
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseBook, LeaseError, lease_ttl
 from crossfed.darl.ledger import CHECKPOINT_EVERY, LedgerError, LedgerStore, apply_event
 from crossfed.outer import DeltaError, OuterStepReport, validate_delta, warm_up
-from crossfed.wire.codecs import open_delta
+from crossfed.wire.codecs import decoded, open_delta
 from crossfed.wire.digests import digest_file
+from crossfed.wire.tensors import TensorFile
 
 log = logging.getLogger("crossfed.coordinator")
 BLOB_GRACE_S = 3600.0  # an uploaded blob no delta refers to is deleted after this long
@@ -103,13 +106,15 @@ class Coordinator:
         keep_deltas: bool = False,
         ledger_checkpoint_every: int = CHECKPOINT_EVERY,
         merge_holds_lock: bool | None = None,
+        objects: ObjectStore | None = None,
     ) -> None:
         """``clock`` stamps leases, rounds and sites; ``monotonic`` times durations (RTT
         samples, the merge): ``time.perf_counter`` with the real clock, else ``clock``
         itself, so a fake clock drives both. ``merge_holds_lock`` (default: the
         ``CROSSFED_MERGE_HOLDS_LOCK`` environment variable) makes a merge hold the lock
         throughout, as it once did; it exists for the heartbeat-during-merge benchmark and
-        its test, never for a run."""
+        its test, never for a run. ``objects``: deltas and global models live in this
+        S3-compatible store (``blobs.backend: s3``) instead of ``state_dir/blobs``."""
         self.state_dir = state_dir
         self.clock = clock
         if monotonic is None:
@@ -130,6 +135,8 @@ class Coordinator:
         self.lock = threading.RLock()
         self.conn = store.connect(state_dir / "state.sqlite")
         self.blobs = BlobStore(state_dir / "blobs")
+        #: the object store's blobs and global models (None: the file store, ``self.blobs``)
+        self.s3 = None if objects is None else ObjectBlobs(objects, self.conn, self.lock)
         self.models_dir = state_dir / "models"
         self.ledger = LedgerStore(self.conn)
         self.spec: RunSpec | None = None
@@ -279,6 +286,11 @@ class Coordinator:
         """Where generation ``generation``'s bf16 global model is (or will be) written."""
         return self.models_dir / f"global-{generation:06d}.safetensors"
 
+    @property
+    def backend(self) -> str:
+        """Where deltas and global models live: ``file`` (this VM) or ``s3``."""
+        return "file" if self.s3 is None else "s3"
+
     def global_file(self, generation: int) -> tuple[Path, str]:
         """Path and ``algo:hex`` digest of generation ``generation``'s global model."""
         path = self.global_path(generation)
@@ -291,8 +303,9 @@ class Coordinator:
         self, generation: int, fill: Callable[[Emit], T], *, momentum: bool
     ) -> tuple[str, T, float]:
         """Generation ``generation``'s files, written as ``fill`` produces its tensors
-        (:func:`crossfed.coordinator.generations.write_generation`)."""
-        return write_generation(
+        (:func:`crossfed.coordinator.generations.write_generation`); with an object store
+        the global model is written there too before the generation is published."""
+        written = write_generation(
             self._master_path(generation),
             self._model_file(generation),
             self.shapes,
@@ -300,6 +313,15 @@ class Coordinator:
             fill,
             momentum=momentum,
         )
+        if self.s3 is not None:
+            self.s3.publish_model(self._model_file(generation), generation)
+        return written
+
+    def model_download(self, generation: int) -> dict[str, Any]:
+        """A presigned URL of generation ``generation``'s global model (object store only)."""
+        path, digest = self.global_file(generation)
+        assert self.s3 is not None
+        return self.s3.model(generation, path, digest)
 
     def _retain(self, generation: int, closed_round: int) -> None:
         """Retention once generation ``generation`` is committed: keep the last
@@ -325,7 +347,10 @@ class Coordinator:
         merged, pending = store.delta_blobs(self.conn, closed_round)
         if self.keep_deltas:
             merged, pending = [], [*merged, *pending]
-        deleted = self.blobs.prune(drop=merged, keep=pending, grace_s=BLOB_GRACE_S)
+        if self.s3 is not None:
+            deleted = self.s3.prune(merged, pending, oldest["global"], BLOB_GRACE_S)
+        else:
+            deleted = self.blobs.prune(drop=merged, keep=pending, grace_s=BLOB_GRACE_S)
         if deleted:
             with store.Transaction(self.conn):
                 store.forget_blob_holders(self.conn, deleted)
@@ -756,15 +781,15 @@ class Coordinator:
         for name, value in (("loss", loss), ("compute_s", compute_s), ("idle_s", idle_s)):
             if value is not None and not math.isfinite(value):
                 raise CoordinatorError(422, "bad_number", f"{name} must be finite, got {value}")
-        checked, rejected = self._check_blob_unlocked(blob)
+        checked, rejected = self._check_blob_unlocked(blob, by)
         with self.lock:
             vetted = self._vet(site, round_no, lease_id, generation, tokens, steps, consumed, blob)
             if isinstance(vetted, dict):
                 return vetted  # the same delta again
-            if not self.blobs.exists(blob) or not self._may_use_blob(by, blob):
+            if not self._blob_stored(blob, by) or not self._may_use_blob(by, blob):
                 raise CoordinatorError(404, "unknown_blob", f"no blob {blob}; upload it first")
             if not checked:  # it arrived while we were looking
-                self._validate_delta_blob(blob)
+                self._validate_stored(blob, by)
             if rejected is not None:
                 raise rejected
             delta = {
@@ -788,7 +813,9 @@ class Coordinator:
                 "returned": result.returned,
             }
 
-    def _check_blob_unlocked(self, blob: str) -> tuple[bool, CoordinatorError | None]:
+    def _check_blob_unlocked(
+        self, blob: str, by: str | None = None
+    ) -> tuple[bool, CoordinatorError | None]:
         """Whether the delta check ran, and its refusal if it refused.
 
         The check reads every tensor: it runs before the lock is taken, so heartbeats and
@@ -796,10 +823,10 @@ class Coordinator:
         change. :meth:`submit` gives its verdict where the lease checks would have reached
         it (a blob not yet stored is checked under the lock instead).
         """
-        if not (self._require_run() and self.blobs.exists(blob)):  # blobs are immutable by key
+        if not (self._require_run() and self._blob_stored(blob, by)):  # immutable by key
             return False, None
         try:
-            self._validate_delta_blob(blob)
+            self._validate_stored(blob, by)
         except CoordinatorError as exc:
             return True, exc
         return True, None
@@ -955,6 +982,44 @@ class Coordinator:
         except LeaseError:
             pass
 
+    def _blob_stored(self, blob: str, by: str | None) -> bool:
+        """Whether blob ``blob`` is complete: in the file store, or (object store) as an
+        object of ``by``'s own (the admin, None: of anyone's) that hashed to its key."""
+        if self.s3 is None:
+            return self.blobs.exists(blob)
+        return self._object_owner(blob, by) is not None
+
+    def _object_owner(self, blob: str, by: str | None) -> str | None:
+        """Whose stored object a delta sent by ``by`` refers to (None: none stored)."""
+        assert self.s3 is not None
+        stored = self.s3.stored(blob)
+        if by is not None:
+            return by if by in stored else None
+        return next(iter(sorted(stored)), None)
+
+    def _validate_stored(self, blob: str, by: str | None) -> None:
+        """:meth:`_validate_delta_blob`, on the object store's object when there is one."""
+        if self.s3 is None:
+            self._validate_delta_blob(blob)
+            return
+        owner = self._object_owner(blob, by)
+        assert owner is not None
+        self._validate_delta_tensors(lambda: self.s3.open(blob, owner))  # type: ignore[union-attr]
+
+    def _validate_delta_tensors(self, open_file: Callable[[], TensorFile]) -> None:
+        """:meth:`_validate_delta_blob` over a tensor file read in ranges (an object)."""
+        try:
+            with open_file() as handle:
+                validate_delta(self._references(), decoded(handle))
+        except DeltaError as exc:
+            raise CoordinatorError(422, "bad_delta", f"delta rejected: {exc}") from exc
+        except BlobError:
+            raise
+        except Exception as exc:  # a header that does not parse, a tensor cut short
+            raise CoordinatorError(
+                422, "bad_delta", f"delta blob is not a readable safetensors file: {exc}"
+            ) from exc
+
     def _validate_delta_blob(self, blob: str) -> None:
         """Decode (any codec) and check a delta against the master before accepting it."""
         path = self.blobs.path(blob)
@@ -1031,7 +1096,7 @@ class Coordinator:
         assert self.spec is not None
         started = self.monotonic()
         generation = current["generation"] + 1
-        paths = [self.blobs.path(d["blob"]) for d in deltas]
+        paths: list[Path | TensorFile] = [self._delta_source(d) for d in deltas]
         tokens = [d["tokens"] for d in deltas]
 
         def step(emit: Emit) -> OuterStepReport:
@@ -1044,6 +1109,17 @@ class Coordinator:
         merge_s = self.monotonic() - started - checkpoint_s
         with self.lock:
             return self._publish(current, deltas, reason, report, digest, merge_s, checkpoint_s)
+
+    def _delta_source(self, delta: dict[str, Any]) -> Path | TensorFile:
+        """Where the merge reads an accepted delta: its file, or its object in ranges."""
+        if self.s3 is None:
+            return self.blobs.path(delta["blob"])
+        owner = self.s3.owner_for(delta["blob"], delta["site"])
+        if owner is None:
+            raise CoordinatorError(
+                500, "missing_object", f"accepted delta {delta['blob']} has no stored object"
+            )
+        return self.s3.open(delta["blob"], owner)
 
     def _publish(
         self,

@@ -1,4 +1,5 @@
-"""The coordinator's SQLite database: run spec, rounds, sites, accepted deltas, blob uploaders.
+"""The coordinator's SQLite database: run spec, rounds, sites, accepted deltas, blob uploaders
+and (with an object store) the verified objects.
 
 One database file in WAL mode with ``synchronous=FULL``; the DARL ledger lives in the same
 file so a delta's acceptance and its blocks' commit are one transaction.
@@ -50,6 +51,12 @@ CREATE TABLE IF NOT EXISTS blob_holders (
     blob TEXT NOT NULL,
     site TEXT NOT NULL,
     PRIMARY KEY (blob, site)
+);
+CREATE TABLE IF NOT EXISTS stored_objects (
+    blob TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    PRIMARY KEY (blob, owner)
 );
 """
 
@@ -309,3 +316,28 @@ def blob_holders(conn: sqlite3.Connection, key: str) -> set[str]:
 def forget_blob_holders(conn: sqlite3.Connection, keys: list[str]) -> None:
     """Drop the uploaders of deleted blobs."""
     conn.executemany("DELETE FROM blob_holders WHERE blob = ?", [(k,) for k in keys])
+
+
+# ---------------------------------------------------------------------- object store
+def add_stored_object(conn: sqlite3.Connection, key: str, owner: str, size: int) -> None:
+    """Blob ``key``'s object uploaded by ``owner`` is complete and hashes to ``key``."""
+    conn.execute(
+        "INSERT OR REPLACE INTO stored_objects (blob, owner, bytes) VALUES (?, ?, ?)",
+        (key, owner, size),
+    )
+
+
+def stored_objects(conn: sqlite3.Connection, key: str) -> dict[str, int]:
+    """The verified objects of blob ``key``: owner -> size."""
+    rows = conn.execute("SELECT owner, bytes FROM stored_objects WHERE blob = ?", (key,))
+    return {r["owner"]: r["bytes"] for r in rows.fetchall()}
+
+
+def all_stored_objects(conn: sqlite3.Connection) -> list[tuple[str, str]]:
+    """Every verified object's ``(blob, owner)``."""
+    rows = conn.execute("SELECT blob, owner FROM stored_objects").fetchall()
+    return [(r["blob"], r["owner"]) for r in rows]
+
+
+def forget_stored_object(conn: sqlite3.Connection, key: str, owner: str) -> None:
+    conn.execute("DELETE FROM stored_objects WHERE blob = ? AND owner = ?", (key, owner))

@@ -312,17 +312,25 @@ class TensorFile:
             os.close(self._fd)
             raise
 
+    def _pread(self, length: int, offset: int) -> bytes:
+        """Up to ``length`` bytes at ``offset`` (a subclass may read them from elsewhere)."""
+        return os.pread(self._fd, length, offset)
+
+    def _readinto(self, view: memoryview, offset: int) -> int:
+        """Bytes at ``offset`` into ``view``; how many were read (0: the end of the file)."""
+        return os.preadv(self._fd, [view], offset)
+
     def _parse(self, size: int) -> tuple[dict[str, str] | None, dict[str, tuple[TensorSpec, int]]]:
         """The header's metadata and, per tensor, its spec and absolute byte offset."""
         where = f"{self.path.name}:"
-        prefix = os.pread(self._fd, 8, 0)
+        prefix = self._pread(8, 0)
         if len(prefix) < 8:
             raise ValueError(f"{where} {size} bytes, too short for a safetensors header")
         (length,) = struct.unpack("<Q", prefix)
         if length > min(HEADER_MAX_BYTES, size - 8):
             raise ValueError(f"{where} header length {length} does not fit the {size}-byte file")
         try:
-            header = json.loads(os.pread(self._fd, length, 8))
+            header = json.loads(self._pread(length, 8))
         except ValueError as exc:
             raise ValueError(f"{where} the header is not JSON: {exc}") from None
         if not isinstance(header, dict):
@@ -380,7 +388,7 @@ class TensorFile:
         view = _raw_bytes(tensor)
         done = 0
         while done < len(view):
-            n = os.preadv(self._fd, [view[done : done + READ_CHUNK]], offset + done)
+            n = self._readinto(view[done : done + READ_CHUNK], offset + done)
             if n == 0:
                 raise ValueError(f"{self.path.name}: tensor {name!r} is cut short")
             done += n
