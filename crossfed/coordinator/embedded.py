@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # the client imports torch (weights on the wire): only client
     from crossfed.coordinator.http_client import CoordinatorClient
 
 ENDPOINT = "endpoint.json"
+#: the run's ``blobs`` section, for an embedded coordinator that keeps them elsewhere
+BLOBS = "blobs.yaml"
 
 
 class EndpointError(RuntimeError):
@@ -84,6 +86,7 @@ def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorCl
     kwargs.setdefault("streams", site_streams(config, who))
     if "stream_min_bytes" in transport:
         kwargs.setdefault("stream_min_bytes", transport["stream_min_bytes"])
+    kwargs.setdefault("blobs", config.get("blobs", {}).get("backend", "file"))
     return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
 
 
@@ -123,10 +126,11 @@ def spawn_coordinator(
     timeout_s: float = 60.0,
     max_request_s: float | None = None,
     ledger_checkpoint_every: int | None = None,
+    blobs: Path | None = None,
 ) -> subprocess.Popen:
     """Start ``crossfed coordinator serve`` in its own session and wait until it answers."""
     proc = launch_coordinator(
-        state_dir, secrets_path, host, port, max_request_s, ledger_checkpoint_every
+        state_dir, secrets_path, host, port, max_request_s, ledger_checkpoint_every, blobs
     )
     wait_until_serving(proc, state_dir, host, port, timeout_s)
     return proc
@@ -139,8 +143,10 @@ def launch_coordinator(
     port: int,
     max_request_s: float | None = None,
     ledger_checkpoint_every: int | None = None,
+    blobs: Path | None = None,
 ) -> subprocess.Popen:
-    """Start ``crossfed coordinator serve`` in its own session; do not wait for it."""
+    """Start ``crossfed coordinator serve`` in its own session; do not wait for it.
+    ``blobs``: a YAML file with the run's ``blobs`` section (``--blobs``)."""
     cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve"]
     cmd += ["--state-dir", str(state_dir), "--secrets", str(secrets_path)]
     cmd += ["--host", host, "--port", str(port)]
@@ -148,6 +154,8 @@ def launch_coordinator(
         cmd += ["--max-request-s", str(max_request_s)]
     if ledger_checkpoint_every is not None:
         cmd += ["--ledger-checkpoint-every", str(ledger_checkpoint_every)]
+    if blobs is not None:
+        cmd += ["--blobs", str(blobs)]
     with open(state_dir / "coordinator.log", "ab") as log:
         return subprocess.Popen(
             cmd,
@@ -201,7 +209,13 @@ def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 
     host = config["coordinator"]["host"]
     port = config["coordinator"]["port"] or free_port(host)
     max_request_s = config["coordinator"].get("max_request_s")
-    proc = spawn_coordinator(state_dir, secrets_path, host, port, timeout_s, max_request_s)
+    blobs = None
+    if config.get("blobs", {}).get("backend", "file") != "file":
+        blobs = state_dir / BLOBS
+        write_atomic(blobs, yaml.safe_dump({"blobs": config["blobs"]}), mode=0o600)
+    proc = spawn_coordinator(
+        state_dir, secrets_path, host, port, timeout_s, max_request_s, blobs=blobs
+    )
     url = f"http://{host}:{port}"
     (state_dir / ENDPOINT).write_text(json.dumps({"url": url, "pid": proc.pid}))
     return url

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpcore
 import httpx
@@ -32,6 +32,9 @@ from crossfed.wire.digests import (
     parse_digest,
 )
 from crossfed.wire.libc import start_writeback
+
+if TYPE_CHECKING:
+    from crossfed.coordinator.presigned import ObjectTransfers
 
 log = logging.getLogger("crossfed.client")
 T = TypeVar("T")
@@ -103,7 +106,10 @@ class CoordinatorClient:
         part_bytes: int = PART_BYTES,
         streams: int = 1,
         stream_min_bytes: int = STREAM_MIN_BYTES,
+        blobs: str | None = "file",
     ) -> None:
+        """``blobs``: where the coordinator keeps blobs, as the run config says (``file`` or
+        ``s3``; None: ask it). A coordinator that says otherwise is followed."""
         if part_bytes < 1:
             raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
         if streams < 1:
@@ -121,9 +127,16 @@ class CoordinatorClient:
         )
         self.http = self._new_http()
         self._stream_http: list[httpx.Client] = []  # one connection per parallel stream
+        #: presigned URLs go to the object store without the coordinator's token
+        self._store_http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+        )
+        self._backend = blobs
 
     def close(self) -> None:
         self.http.close()
+        self._store_http.close()
         for http in self._stream_http:
             http.close()
 
@@ -178,6 +191,28 @@ class CoordinatorClient:
     # --- protocol
     def health(self) -> dict[str, Any]:
         return self.get("/v1/health")
+
+    @property
+    def backend(self) -> str:
+        """Where the coordinator keeps blobs: ``file`` (bytes go through it) or ``s3``
+        (bytes go to an object store through presigned URLs)."""
+        if self._backend is None:
+            self._backend = str(self.health().get("blobs", "file"))
+        return self._backend
+
+    def _either(self, on_file: Callable[[], T], on_s3: Callable[[], T]) -> T:
+        """``on_file`` or ``on_s3`` by :attr:`backend`; a file transfer the coordinator
+        refuses because its blobs live in an object store goes there instead."""
+        if self.backend == "s3":
+            return on_s3()
+        try:
+            return on_file()
+        except Refused as exc:
+            if exc.code != "wrong_backend":
+                raise
+            log.warning("the coordinator keeps blobs in an object store; sending them there")
+            self._backend = "s3"
+            return on_s3()
 
     def rtt_ms(self, samples: int = 3) -> float:
         """Median round trip of the health check, in milliseconds."""
@@ -252,6 +287,13 @@ class CoordinatorClient:
         ``known``: the status's ``model`` (its ``generation``, ``bytes`` and ``digest``);
         when it is this generation's, parallel streams start without asking for them."""
         url, what = f"/v1/models/{generation}", f"generation {generation}"
+        if self.backend == "s3":
+            return self._objects().download(f"{url}/url", dest, what)
+        return self._download_model(url, dest, what, generation, known)
+
+    def _download_model(
+        self, url: str, dest: Path, what: str, generation: int, known: dict[str, Any] | None
+    ) -> Path:
         if known and known.get("generation") == generation and known.get("digest"):
             return self._download(url, dest, what, sized=(int(known["bytes"]), known["digest"]))
         return self._download(url, dest, what)
@@ -259,7 +301,10 @@ class CoordinatorClient:
     def download_blob(self, key: str, dest: Path) -> Path:
         """Fetch blob ``key`` to ``dest``; its bytes must hash to ``key``."""
         key = _key(key)
-        return self._download(f"/v1/blobs/{key}", dest, f"blob {key}", expected=key)
+        return self._either(
+            lambda: self._download(f"/v1/blobs/{key}", dest, f"blob {key}", expected=key),
+            lambda: self._objects().download(f"/v1/blobs/{key}/url", dest, f"blob {key}", key),
+        )
 
     def blob_state(self, key: str, http: httpx.Client | None = None) -> dict[str, Any]:
         """Whether blob ``key`` is complete and the ``offset`` its upload resumes at."""
@@ -277,6 +322,13 @@ class CoordinatorClient:
         upload starts without asking (a part stored after all is answered and resumed).
         """
         key = _key(key) if key is not None else digest_file(path)
+        return self._either(
+            lambda: self._upload_file(path, key, fresh),
+            lambda: self._objects().upload(path, key),
+        )
+
+    def _upload_file(self, path: Path, key: str, fresh: bool) -> str:
+        """:meth:`upload_blob` through the coordinator's own blob store."""
         size = path.stat().st_size
         n = self.streams_for(size)
         if n == 1:
@@ -355,7 +407,10 @@ class CoordinatorClient:
                             f"{path}: the coordinator hashed it differently {mismatches} times "
                             f"(key {key}); is the file changing while it is sent?"
                         ) from error
-                elif response.status_code not in RESYNC_STATUS | RETRY_STATUS:
+                elif (
+                    response.status_code not in RESYNC_STATUS | RETRY_STATUS
+                    or error.code == "wrong_backend"
+                ):
                     raise error
                 if response.status_code in RESYNC_STATUS:
                     state = self.blob_state(key, http)
@@ -393,6 +448,27 @@ class CoordinatorClient:
             except Refused as exc:
                 if exc.code != "unknown_blob":
                     raise
+
+        def to_store() -> dict[str, Any]:  # to the object store, then by reference
+            self._objects().upload(path, key)
+            return self.post(deltas, body)
+
+        return self._either(
+            lambda: self._submit_file(round_no, path, inline, key, fresh, body, fields), to_store
+        )
+
+    def _submit_file(
+        self,
+        round_no: int,
+        path: Path,
+        inline: bool,
+        key: str,
+        fresh: bool,
+        body: dict[str, Any],
+        fields: dict[str, Any],
+    ) -> dict[str, Any]:
+        """:meth:`submit_delta`'s bytes through the coordinator (inline, parts or a blob)."""
+        deltas = f"/v1/rounds/{round_no}/deltas"
         n = self.streams_for(path.stat().st_size)
         if n > 1:  # parts over n connections, joined by the submission itself
             return self._send_in_parts(
@@ -413,6 +489,11 @@ class CoordinatorClient:
                 log.warning("inline delta refused (%s); sending it as a blob", exc)
         self.upload_blob(path, key, fresh=fresh and not inline)
         return self.post(deltas, body)
+
+    def _objects(self) -> ObjectTransfers:
+        from crossfed.coordinator.presigned import ObjectTransfers
+
+        return ObjectTransfers(self, self._store_http)
 
     def _download(
         self,

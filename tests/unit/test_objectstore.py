@@ -1,0 +1,335 @@
+"""Deltas and global models in an S3-compatible store (``blobs.backend: s3``), against a real
+SeaweedFS and a real coordinator process: sites move the bytes through presigned URLs, the
+coordinator stays the authority (who owns which object, digests, the merge)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import httpx
+import pytest
+import yaml
+
+from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
+from crossfed.coordinator.http_client import Refused
+from crossfed.wire.digests import digest_file
+from tests.conftest import SITES, LiveCoordinator, stop, tiny_spec
+from tests.helpers.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS
+from tests.unit.test_coordinator_http import (
+    delta_file,
+    global_model,
+    join_and_lease,
+    wait_round_closed,
+)
+
+MiB = 1 << 20
+PART = 5 * MiB  # S3's smallest part: a 11 MiB blob goes in three
+
+
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    server = SeaweedFS(tmp_path_factory.mktemp("weed")).start()
+    yield server
+    server.stop()
+
+
+def s3_coordinator(weed: SeaweedFS, state: Path, **s3: object) -> LiveCoordinator:
+    """A coordinator process keeping blobs in ``weed`` under a prefix of its own, with the
+    store's key in its secrets file (not in its environment)."""
+    state.mkdir(parents=True)
+    secrets = ensure_secrets(state / "secrets.yaml", SITES)
+    secrets["s3"] = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY}
+    (state / "secrets.yaml").write_text(yaml.safe_dump(secrets))
+    blobs = weed.blobs_config(prefix=f"{state.parent.name}/{state.name}/")
+    blobs["s3"].update({"part_bytes": PART, **s3})
+    (state / "blobs.yaml").write_text(yaml.safe_dump({"blobs": blobs}))
+    port = free_port("127.0.0.1")
+    proc = spawn_coordinator(
+        state, state / "secrets.yaml", "127.0.0.1", port, 240, blobs=state / "blobs.yaml"
+    )
+    return LiveCoordinator(f"http://127.0.0.1:{port}", state, secrets, proc, port)
+
+
+@pytest.fixture
+def s3_run(weed: SeaweedFS, tmp_path: Path, tiny_data: Path) -> Iterator[LiveCoordinator]:
+    live = s3_coordinator(weed, tmp_path / "coordinator")
+    live.client().init_run(tiny_spec(tiny_data).to_dict())
+    yield live
+    stop(live.process)
+
+
+def bucket(weed: SeaweedFS):
+    return boto3.client(
+        "s3",
+        endpoint_url=weed.endpoint,
+        region_name=REGION,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+    )
+
+
+def objects(weed: SeaweedFS, live: LiveCoordinator) -> list[str]:
+    prefix = f"{live.state_dir.parent.name}/{live.state_dir.name}/"
+    listing = bucket(weed).list_objects_v2(Bucket=weed.bucket, Prefix=prefix)
+    return sorted(o["Key"][len(prefix) :] for o in listing.get("Contents", []))
+
+
+def fields(site: str, lease: dict) -> dict:
+    return dict(site=site, lease_id=lease["lease_id"], generation=0, tokens=256, steps=4,
+                consumed=lease["n_blocks"], loss=3.0)  # fmt: skip
+
+
+def big_file(path: Path, size: int = 11 * MiB, seed: int = 1) -> Path:
+    path.write_bytes(bytes((i * 7 + seed) % 251 for i in range(251)) * (size // 251 + 1))
+    with open(path, "r+b") as handle:
+        handle.truncate(size)
+    return path
+
+
+def test_a_round_goes_through_the_store_and_not_through_the_coordinator(
+    s3_run: LiveCoordinator, weed: SeaweedFS, tiny_data: Path, tmp_path: Path
+) -> None:
+    """Two sites' deltas go up in parts to presigned URLs, are merged from the store and the
+    next global model comes down from it; no weight byte crosses the coordinator's API."""
+    assert httpx.get(f"{s3_run.url}/v1/health").json()["blobs"] == "s3"
+    reference = global_model(s3_run, 0, tmp_path)
+    seen: list[httpx.Request] = []
+    keys = []
+    leases = {site: join_and_lease(s3_run, site, tiny_data) for site in ["lumi", "snellius"]}
+    for i, (site, lease) in enumerate(leases.items()):
+        path = delta_file(tmp_path, reference, seed=i, name=site)
+        keys.append(digest_file(path))
+        client = s3_run.client(site, streams=4, blobs="s3")
+        client.http.event_hooks["request"] = [seen.append]
+        reply = client.submit_delta(1, path, inline=True, fresh=True, **fields(site, lease))
+        assert reply["accepted"]
+    # only JSON went to the coordinator: no PUT, no inline body
+    assert {r.method for r in seen} <= {"GET", "POST"}
+    assert all(len(r.content) < 4096 for r in seen)
+    stored = objects(weed, s3_run)
+    for site, key in zip(["lumi", "snellius"], keys, strict=True):
+        assert f"blobs/{site}/{key.replace(':', '/')}" in stored
+    info = wait_round_closed(s3_run, 1)
+    assert sorted(d["site"] for d in info["deltas"]) == ["lumi", "snellius"]
+    # generation 1 is in the store, and what a site downloads is what the coordinator wrote
+    assert "models/global-000001.safetensors" in objects(weed, s3_run)
+    got = s3_run.client("lumi").download_model(1, tmp_path / "g1.safetensors")
+    local = s3_run.state_dir / "models" / "global-000001.safetensors"
+    assert got.read_bytes() == local.read_bytes()
+    assert digest_file(got) == s3_run.client().status()["model"]["digest"]
+    # the merged deltas' objects are gone (retention), as their files are with the file store
+    assert not [name for name in objects(weed, s3_run) if name.startswith("blobs/")]
+
+
+def test_another_sites_object_is_refused(
+    s3_run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    path = big_file(tmp_path / "blob", 1 * MiB)
+    key = s3_run.client("lumi").upload_blob(path)
+    other = s3_run.client("snellius")
+    for method, url, body in [
+        ("POST", f"/v1/blobs/{key}/uploads", {"bytes": 1 * MiB}),
+        ("POST", f"/v1/blobs/{key}/uploads/x/complete", {"bytes": 1 * MiB}),
+        ("GET", f"/v1/blobs/{key}/url", None),
+    ]:
+        answer = other.http.request(method, url, json=body)
+        assert answer.status_code == 403, (url, answer.text)
+        assert answer.json()["error"] == "forbidden" and "another site" in answer.json()["detail"]
+    # the owner reads its own object; another site cannot submit it as its delta
+    assert s3_run.client("lumi").download_blob(key, tmp_path / "back").read_bytes() == (
+        path.read_bytes()
+    )
+    lease = join_and_lease(s3_run, "snellius", tiny_data)
+    with pytest.raises(Refused) as refused:
+        other.post("/v1/rounds/1/deltas", {**fields("snellius", lease), "blob": key})
+    assert refused.value.code in ("unknown_blob", "forbidden")
+    assert s3_run.client().round_info(1)["deltas"] == []
+
+
+def test_bytes_that_do_not_hash_to_their_key_are_refused_and_deleted(
+    s3_run: LiveCoordinator, weed: SeaweedFS, tiny_data: Path, tmp_path: Path
+) -> None:
+    reference = global_model(s3_run, 0, tmp_path)
+    good = delta_file(tmp_path, reference, seed=0, name="good")
+    bad = delta_file(tmp_path, reference, seed=1, name="bad")
+    key = digest_file(good)
+    site = s3_run.client("lumi")
+    plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": bad.stat().st_size})
+    (part,) = plan["parts"]
+    assert httpx.put(part["url"], content=bad.read_bytes()).status_code == 200
+    answer = site.http.post(
+        f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete",
+        json={"bytes": bad.stat().st_size},
+    )
+    assert answer.status_code == 422 and answer.json()["error"] == "digest_mismatch"
+    assert "hashes to" in answer.json()["detail"]
+    assert not [n for n in objects(weed, s3_run) if n.startswith("blobs/")]  # deleted
+    lease = join_and_lease(s3_run, "lumi", tiny_data)
+    with pytest.raises(Refused) as refused:
+        site.post("/v1/rounds/1/deltas", {**fields("lumi", lease), "blob": key})
+    assert refused.value.code == "unknown_blob"
+    # the right bytes then go through, and nothing refused was kept
+    reply = site.submit_delta(1, good, inline=False, fresh=True, **fields("lumi", lease))
+    assert reply["accepted"]
+
+
+def test_a_missing_part_is_named_and_the_upload_finishes_once_it_is_sent(
+    s3_run: LiveCoordinator, tmp_path: Path
+) -> None:
+    path = big_file(tmp_path / "blob")
+    key = digest_file(path)
+    site = s3_run.client("lumi")
+    plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": path.stat().st_size})
+    assert [p["number"] for p in plan["parts"]] == [1, 2, 3]
+    data = path.read_bytes()
+    for part in (plan["parts"][0], plan["parts"][2]):
+        body = data[part["offset"] : part["offset"] + part["bytes"]]
+        assert httpx.put(part["url"], content=body).status_code == 200
+    complete = f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete"
+    answer = site.http.post(complete, json={"bytes": len(data)})
+    assert answer.status_code == 409 and answer.json()["error"] == "missing_part"
+    assert answer.json()["missing"] == [2]
+    with pytest.raises(Refused):  # not stored: no URL to read it
+        site.get(f"/v1/blobs/{key}/url")
+    # the client finishes it (a new upload: the refused one stays open until retention)
+    assert site.upload_blob(path, key) == key
+    assert site.download_blob(key, tmp_path / "back").read_bytes() == data
+
+
+def test_an_expired_url_is_refused_by_the_store_and_the_client_asks_again(
+    weed: SeaweedFS, tmp_path: Path, tiny_data: Path
+) -> None:
+    live = s3_coordinator(weed, tmp_path / "coordinator", url_expiry_s=1)
+    try:
+        path = big_file(tmp_path / "blob", 1 * MiB)
+        key = digest_file(path)
+        site = live.client("lumi")
+        plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": path.stat().st_size})
+        time.sleep(2.5)
+        answer = httpx.put(plan["parts"][0]["url"], content=path.read_bytes())
+        assert answer.status_code == 403, answer.text
+        # fresh URLs for the same upload go through
+        fresh = site.post(
+            f"/v1/blobs/{key}/uploads",
+            {"bytes": path.stat().st_size, "upload_id": plan["upload_id"]},
+        )
+        assert fresh["upload_id"] == plan["upload_id"]
+        assert httpx.put(fresh["parts"][0]["url"], content=path.read_bytes()).status_code == 200
+        done = site.post(
+            f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete",
+            {"bytes": path.stat().st_size},
+        )
+        assert done["complete"] and done["bytes"] == path.stat().st_size
+    finally:
+        stop(live.process)
+
+
+def test_a_replayed_part_url_changes_nothing(s3_run: LiveCoordinator, tmp_path: Path) -> None:
+    """Once the coordinator completed an upload, its part URLs lead nowhere: a replay with
+    other bytes is refused by the store and the object keeps the bytes that were checked."""
+    path = big_file(tmp_path / "blob", 1 * MiB)
+    key = digest_file(path)
+    site = s3_run.client("lumi")
+    plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": path.stat().st_size})
+    url = plan["parts"][0]["url"]
+    assert httpx.put(url, content=path.read_bytes()).status_code == 200
+    site.post(f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete", {"bytes": 1 * MiB})
+    replay = httpx.put(url, content=b"x" * MiB)
+    assert replay.status_code == 404 and "NoSuchUpload" in replay.text
+    # completing again is answered complete; asking for an upload again gets no URLs
+    again = site.post(f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete", {"bytes": MiB})
+    assert again["complete"]
+    assert site.post(f"/v1/blobs/{key}/uploads", {"bytes": MiB}) == {
+        "key": key,
+        "complete": True,
+        "bytes": MiB,
+    }
+    assert site.download_blob(key, tmp_path / "back").read_bytes() == path.read_bytes()
+
+
+def test_the_store_going_down_mid_upload_loses_nothing(
+    s3_run: LiveCoordinator, weed: SeaweedFS, tiny_data: Path, tmp_path: Path
+) -> None:
+    """A part stored before the store went down is still there after it comes back; a site
+    whose upload starts while it is down gets through once it is back; an accepted delta
+    is merged after it."""
+    reference = global_model(s3_run, 0, tmp_path)
+    lease = join_and_lease(s3_run, "lumi", tiny_data)
+    accepted = delta_file(tmp_path, reference, seed=0, name="lumi")
+    lumi = s3_run.client("lumi")
+    assert lumi.submit_delta(1, accepted, inline=False, fresh=True, **fields("lumi", lease))[
+        "accepted"
+    ]
+    path = big_file(tmp_path / "blob")
+    key = digest_file(path)
+    plan = lumi.post(f"/v1/blobs/{key}/uploads", {"bytes": path.stat().st_size})
+    data = path.read_bytes()
+    first = plan["parts"][0]
+    assert httpx.put(first["url"], content=data[: first["bytes"]]).status_code == 200
+    weed.stop()
+    with pytest.raises(httpx.TransportError):
+        httpx.put(plan["parts"][1]["url"], content=data[: plan["parts"][1]["bytes"]])
+    snellius_lease = join_and_lease(s3_run, "snellius", tiny_data)
+    late = delta_file(tmp_path, reference, seed=1, name="snellius")
+    results: dict[str, object] = {}
+
+    def send() -> None:
+        client = s3_run.client("snellius", retry_budget_s=180)
+        try:
+            results["reply"] = client.submit_delta(
+                1, late, inline=False, fresh=True, **fields("snellius", snellius_lease)
+            )
+        except Exception as exc:  # reported below
+            results["error"] = exc
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.0)
+    weed.start()
+    sender.join(timeout=240)
+    assert "error" not in results, results
+    assert results["reply"]["accepted"]  # type: ignore[index]
+    # the part stored before the outage is still there: only the others are missing
+    answer = lumi.http.post(
+        f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete", json={"bytes": len(data)}
+    )
+    assert answer.status_code == 409 and answer.json()["missing"] == [2, 3]
+    for part in plan["parts"][1:]:
+        body = data[part["offset"] : part["offset"] + part["bytes"]]
+        assert httpx.put(part["url"], content=body).status_code == 200
+    assert lumi.post(f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete", {"bytes": len(data)})[
+        "complete"
+    ]
+    info = wait_round_closed(s3_run, 1, timeout_s=60)
+    assert sorted(d["site"] for d in info["deltas"]) == ["lumi", "snellius"]
+
+
+def test_a_misconfigured_store_is_named_at_start(weed: SeaweedFS, tmp_path: Path) -> None:
+    secrets = tmp_path / "secrets.yaml"
+    ensure_secrets(secrets, SITES)
+    cases = {
+        "bucket": ({"backend": "s3", "s3": {"endpoint": weed.endpoint}}, weed.env()),
+        "credentials": (weed.blobs_config(), {}),
+        "does not exist": (
+            {"backend": "s3", "s3": {"endpoint": weed.endpoint, "bucket": "nope"}},
+            weed.env(),
+        ),
+    }
+    for expected, (blobs, env) in cases.items():
+        config = tmp_path / "blobs.yaml"
+        config.write_text(yaml.safe_dump({"blobs": blobs}))
+        done = subprocess.run(
+            [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir",
+             str(tmp_path / "state"), "--secrets", str(secrets), "--port", "0",
+             "--blobs", str(config)],
+            capture_output=True, text=True, timeout=120,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env},
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert expected in done.stderr, done.stderr
