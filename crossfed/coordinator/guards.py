@@ -81,15 +81,21 @@ class StatusStats:
         self.started_at = time.time()
         self._lock = threading.Lock()
         self._codes: Counter[int] = Counter()
+        #: request and response body bytes through the API (what the sites move through it)
+        self._bytes = {"in": 0, "out": 0}
 
-    def record(self, status: int) -> None:
+    def record(self, status: int, bytes_in: int = 0, bytes_out: int = 0) -> None:
         with self._lock:
             self._codes[status] += 1
+            self._bytes["in"] += bytes_in
+            self._bytes["out"] += bytes_out
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            codes = dict(self._codes)
+            codes, moved = dict(self._codes), dict(self._bytes)
         return {
+            "bytes_in": moved["in"],
+            "bytes_out": moved["out"],
             "since": self.started_at,
             "requests": sum(codes.values()),
             "http_2xx": sum(n for c, n in codes.items() if 200 <= c < 300),
@@ -100,7 +106,8 @@ class StatusStats:
 
 
 class StatusCounter:
-    """Counts every response by status; logs each 5xx (method and path, never the query).
+    """Counts every response by status, and the body bytes in and out; logs each 5xx
+    (method and path, never the query).
 
     A client that goes away before its answer (``ClientDisconnect`` while the body is read)
     is counted as 499, nginx's "client closed request": nobody is there to answer, and it is
@@ -115,14 +122,23 @@ class StatusCounter:
             await self.app(scope, receive, send)
             return
         seen: list[int] = []
+        moved = [0, 0]
+
+        async def counting_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                moved[0] += len(message.get("body", b""))
+            return message
 
         async def recording_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 seen.append(int(message["status"]))
+            elif message["type"] == "http.response.body":
+                moved[1] += len(message.get("body", b""))
             await send(message)
 
         try:
-            await self.app(scope, receive, recording_send)
+            await self.app(scope, counting_receive, recording_send)
         except ClientDisconnect:
             if seen:
                 raise
@@ -133,7 +149,7 @@ class StatusCounter:
             raise
         finally:
             status = seen[0] if seen else 500
-            self.stats.record(status)
+            self.stats.record(status, moved[0], moved[1])
             if status >= 500:
                 log.error("http_5xx status=%d %s %s", status, scope["method"], scope["path"])
 

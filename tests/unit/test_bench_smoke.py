@@ -79,6 +79,12 @@ SMOKES = [
         "--params 1000000 --repeat 1 --contributors 1 --dir {tmp}",
         ("merge_s", "floor_s", "ratio", "peak_rss_gib", "compute_s_best"),
     ),
+    Smoke(
+        "bench/objectstore.py",
+        "--flavour tiny --sites 1 --streams 1 --workdir {tmp}/objectstore",
+        ("api_bytes_file", "api_bytes_s3", "api_ratio", "target_met", "close_s_file",
+         "close_s_s3", "process_io_ratio"),
+    ),  # fmt: skip
     Smoke("bench/planner.py", "", ("plan_s", "target_s", "ratio")),
     Smoke(
         "bench/prepare.py",
