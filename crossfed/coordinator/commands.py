@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from crossfed.backoff import Backoff
 from crossfed.cmdline import (
     DEFAULT_CONFIG,
     add_config,
@@ -235,8 +236,7 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
 
     config = run_config(args)
     client = client_for(config, "admin")
-    deadline = time.monotonic() + args.timeout_s if args.timeout_s else None
-    delay, last = 0.2, None
+    backoff, last = Backoff(0.2, 2.0, factor=1.5, budget_s=args.timeout_s or None), None
     while True:
         info = client.round_info(args.round)
         if info["status"] == "closed":
@@ -250,11 +250,9 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
                 ", ".join(d["site"] for d in info["deltas"]) or "none yet",
             )
             last = seen
-        if deadline and time.monotonic() > deadline:
+        if not backoff.wait():
             print(f"round {args.round} still open after {args.timeout_s}s", file=sys.stderr)
             return 3
-        time.sleep(delay)
-        delay = min(delay * 1.5, 2.0)
     report = info["report"]
     logging.getLogger("crossfed.round").info(
         "round %d closed (%s): %s, %d tokens, generation %d, merge %.2fs",

@@ -10,13 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
 
+from crossfed.backoff import Backoff
 from crossfed.fileio import write_atomic
 
 if TYPE_CHECKING:  # the client imports torch (weights on the wire): only clients need it
@@ -183,8 +183,8 @@ def wait_until_serving(
     """
     log_path = state_dir / "coordinator.log"
     url = f"{scheme}://{host}:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    backoff = Backoff(0.2, 0.2, budget_s=timeout_s)
+    while True:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-2000:]
             raise EndpointError(f"coordinator exited with {proc.returncode}; {log_path}:\n{tail}")
@@ -194,7 +194,8 @@ def wait_until_serving(
                 return
         except (httpx.TransportError, ValueError):
             pass
-        time.sleep(0.2)
+        if not backoff.wait():
+            break
     proc.kill()
     raise EndpointError(f"coordinator did not answer on {url} within {timeout_s}s; see {log_path}")
 
@@ -231,13 +232,14 @@ def stop_embedded(config: dict[str, Any], timeout_s: float = 20.0) -> bool:
     if not pid or not _alive(pid):
         return False
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _alive(pid):
+    backoff = Backoff(0.1, 0.1, budget_s=timeout_s)
+    while _alive(pid):
         try:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
-        time.sleep(0.1)
+        if not backoff.wait():
+            break
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
     return True

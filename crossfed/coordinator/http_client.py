@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpcore
 import httpx
 
+from crossfed.backoff import Backoff
 from crossfed.fileio import create_temp_beside, replace_durably
 from crossfed.wire.digests import (
     PART_BYTES,
@@ -159,8 +159,7 @@ class CoordinatorClient:
         http: httpx.Client | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        deadline = time.monotonic() + self.retry_budget_s
-        delay = 0.2
+        backoff = Backoff(0.2, 5.0, jitter=True, budget_s=self.retry_budget_s, sleep=self.sleep)
         factory = kwargs.pop("content_factory", None)
         while True:
             if factory is not None:
@@ -175,10 +174,8 @@ class CoordinatorClient:
                 if response.status_code not in retry_status:
                     raise _refusal(response)
                 error = _refusal(response)
-            if time.monotonic() + delay > deadline:
+            if not backoff.wait():
                 raise Unreachable(f"{method} {self.url}{path}: {error}") from error
-            self.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 5.0)
 
     def get(self, path: str, **kwargs: Any) -> Any:
         return self._request("GET", path, retry_status=JSON_RETRY_STATUS, **kwargs).json()
@@ -287,9 +284,10 @@ class CoordinatorClient:
         ``known``: the status's ``model`` (its ``generation``, ``bytes`` and ``digest``);
         when it is this generation's, parallel streams start without asking for them."""
         url, what = f"/v1/models/{generation}", f"generation {generation}"
-        if self.backend == "s3":
-            return self._objects().download(f"{url}/url", dest, what)
-        return self._download_model(url, dest, what, generation, known)
+        return self._either(
+            lambda: self._download_model(url, dest, what, generation, known),
+            lambda: self._objects().download(f"{url}/url", dest, what),
+        )
 
     def _download_model(
         self, url: str, dest: Path, what: str, generation: int, known: dict[str, Any] | None
@@ -706,18 +704,15 @@ class _Progress:
 
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
-        self.delay = 0.2
-        self.deadline = time.monotonic() + budget_s
+        self.backoff = Backoff(0.2, 5.0, jitter=True, budget_s=budget_s)
 
     def advanced(self) -> None:
-        self.delay = 0.2
-        self.deadline = time.monotonic() + self.budget_s
+        self.backoff.reset()
 
     def wait(self, sleep: Callable[[float], None], what: str, error: Exception) -> None:
-        if time.monotonic() + self.delay > self.deadline:
+        self.backoff.sleep = sleep
+        if not self.backoff.wait():
             raise Unreachable(f"{what} made no progress for {self.budget_s}s: {error}") from error
-        sleep(self.delay * (0.5 + random.random()))
-        self.delay = min(self.delay * 2, 5.0)
 
 
 def _key(key: str) -> str:

@@ -57,9 +57,10 @@ def test_the_sleeps_end_at_the_budget_for_a_last_try_and_then_it_gives_up(
     assert clock.now - start == pytest.approx(budget)  # the last sleep ended at the budget's end
     assert b.expired() and not b.wait()  # and it stays given up
     low, high = (0.5, 1.5) if jitter else (1.0, 1.0)
-    for i, s in enumerate(clock.slept[:-1]):  # each sleep but the clamped last
-        delay = min(first * factor**i, first * ratio)
+    delay = first
+    for s in clock.slept[:-1]:  # each sleep but the clamped last
         assert low * delay * (1 - 1e-9) <= s <= high * delay * (1 + 1e-9)
+        delay = min(delay * factor, first * ratio)
 
 
 def test_progress_restarts_the_delay_and_the_budget() -> None:
