@@ -448,8 +448,9 @@ class _Api:
             raise CoordinatorError(
                 409,
                 "wrong_backend",
-                "blobs live in the object store: ask POST /v1/blobs/{key}/uploads for "
-                "presigned URLs and send the bytes there",
+                "blobs live in the object store: ask POST /v1/blobs/{key}/uploads (or GET "
+                "/v1/models/{generation}/url, /v1/blobs/{key}/url) for presigned URLs and "
+                "move the bytes there",
             )
 
     def object_backend(self) -> ObjectBlobs:
@@ -605,7 +606,9 @@ def _add_run_routes(app: FastAPI, api: _Api, stats: StatusStats) -> None:
 
     @app.get("/v1/models/{generation}")
     async def model(generation: GENERATION, who: Caller) -> RangedFile:
-        """Global bf16 weights; ``Range`` requests fetch them in parts (``X-Content-Digest``)."""
+        """Global bf16 weights; ``Range`` requests fetch them in parts (``X-Content-Digest``).
+        With an object store: 409 ``wrong_backend`` (``/v1/models/{generation}/url``)."""
+        api.file_backend()
         path, digest = await run(coordinator.global_file, generation)
         return RangedFile(path, digest, api.max_request_s)
 

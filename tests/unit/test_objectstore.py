@@ -123,6 +123,10 @@ def test_a_round_goes_through_the_store_and_not_through_the_coordinator(
     local = s3_run.state_dir / "models" / "global-000001.safetensors"
     assert got.read_bytes() == local.read_bytes()
     assert digest_file(got) == s3_run.client().status()["model"]["digest"]
+    # the coordinator serves no weight bytes itself: a client expecting the file store is
+    # told so, and follows (global_model above used one)
+    refused = s3_run.client("lumi").http.get("/v1/models/1")
+    assert refused.status_code == 409 and refused.json()["error"] == "wrong_backend"
     # the merged deltas' objects are gone (retention), as their files are with the file store
     assert not [name for name in objects(weed, s3_run) if name.startswith("blobs/")]
 
@@ -205,13 +209,13 @@ def test_a_missing_part_is_named_and_the_upload_finishes_once_it_is_sent(
 def test_an_expired_url_is_refused_by_the_store_and_the_client_asks_again(
     weed: SeaweedFS, tmp_path: Path, tiny_data: Path
 ) -> None:
-    live = s3_coordinator(weed, tmp_path / "coordinator", url_expiry_s=1)
+    live = s3_coordinator(weed, tmp_path / "coordinator", url_expiry_s=3)
     try:
         path = big_file(tmp_path / "blob", 1 * MiB)
         key = digest_file(path)
         site = live.client("lumi")
         plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": path.stat().st_size})
-        time.sleep(2.5)
+        time.sleep(4.5)
         answer = httpx.put(plan["parts"][0]["url"], content=path.read_bytes())
         assert answer.status_code == 403, answer.text
         # fresh URLs for the same upload go through
