@@ -306,12 +306,17 @@ class ObjectStore:
         except ClientError as exc:
             if _code(exc) not in ("NoSuchUpload", "404"):
                 raise _unreachable("aborting an upload", exc) from exc
+        except BotoCoreError as exc:
+            raise _unreachable("aborting an upload", exc) from exc
 
     def open_uploads(self, under: str) -> Iterator[tuple[str, str, float]]:
         """``(name, upload_id, started)`` of the multipart uploads open under ``under``."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": under}
         while True:
-            page = self.client.list_multipart_uploads(**kwargs)
+            try:
+                page = self.client.list_multipart_uploads(**kwargs)
+            except (ClientError, BotoCoreError) as exc:
+                raise _unreachable(f"listing the uploads under {under}", exc) from exc
             for upload in page.get("Uploads", []):
                 yield upload["Key"], upload["UploadId"], _seconds(upload.get("Initiated"))
             if not page.get("IsTruncated"):
@@ -349,13 +354,17 @@ class ObjectStore:
         if not len(view):
             return 0
         last = offset + len(view) - 1
-        response = self.client.get_object(
-            Bucket=self.bucket, Key=name, Range=f"bytes={offset}-{last}"
-        )
         done = 0
-        for chunk in response["Body"].iter_chunks(1 << 20):
-            view[done : done + len(chunk)] = chunk
-            done += len(chunk)
+        try:
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=name, Range=f"bytes={offset}-{last}"
+            )
+            for chunk in response["Body"].iter_chunks(1 << 20):
+                view[done : done + len(chunk)] = chunk
+                done += len(chunk)
+        except (ClientError, BotoCoreError, OSError) as exc:
+            # never a bad delta: the store is away (or lost the object), so say so
+            raise _unreachable(f"reading {name}", exc) from exc
         self.moved["read"] += done
         return done
 
@@ -380,13 +389,18 @@ class ObjectStore:
         except ClientError as exc:
             if _code(exc) not in ("404", "NoSuchKey"):
                 raise _unreachable(f"deleting {name}", exc) from exc
+        except BotoCoreError as exc:
+            raise _unreachable(f"deleting {name}", exc) from exc
 
     def objects(self, under: str) -> Iterator[tuple[str, float]]:
         """``(name, last modified)`` of the objects under ``under``."""
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=under):
-            for item in page.get("Contents", []):
-                yield item["Key"], _seconds(item.get("LastModified"))
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=under):
+                for item in page.get("Contents", []):
+                    yield item["Key"], _seconds(item.get("LastModified"))
+        except (ClientError, BotoCoreError) as exc:
+            raise _unreachable(f"listing {under}", exc) from exc
 
 
 def _seconds(stamp: Any) -> float:

@@ -348,7 +348,11 @@ class Coordinator:
         if self.keep_deltas:
             merged, pending = [], [*merged, *pending]
         if self.s3 is not None:
-            deleted = self.s3.prune(merged, pending, oldest["global"], BLOB_GRACE_S)
+            try:
+                deleted = self.s3.prune(merged, pending, oldest["global"], BLOB_GRACE_S)
+            except BlobError as exc:  # the generation is committed: retention waits a round
+                log.warning("object store retention skipped this round: %s", exc)
+                deleted = []
         else:
             deleted = self.blobs.prune(drop=merged, keep=pending, grace_s=BLOB_GRACE_S)
         if deleted:

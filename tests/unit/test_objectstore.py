@@ -18,6 +18,12 @@ import yaml
 
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
 from crossfed.coordinator.http_client import Refused
+from crossfed.coordinator.objectstore import (
+    ObjectStore,
+    ObjectStoreError,
+    ObjectTensorFile,
+    S3Settings,
+)
 from crossfed.wire.digests import digest_file
 from tests.conftest import SITES, LiveCoordinator, stop, tiny_spec
 from tests.helpers.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS
@@ -337,3 +343,19 @@ def test_a_misconfigured_store_is_named_at_start(weed: SeaweedFS, tmp_path: Path
         )  # fmt: skip
         assert done.returncode == 2, done.stderr
         assert expected in done.stderr, done.stderr
+
+
+def test_a_store_out_of_reach_is_a_503_never_a_bad_delta() -> None:
+    """Reads the coordinator makes of an object (the delta check, the merge) fail as the
+    store being away (503, retried by the site), never as a delta refused (422, dropped)."""
+    port = free_port("127.0.0.1")
+    store = ObjectStore(
+        S3Settings(bucket="b", access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                   endpoint=f"http://127.0.0.1:{port}")
+    )  # fmt: skip
+    with pytest.raises(ObjectStoreError) as opening:
+        ObjectTensorFile(store, "blobs/lumi/blake3/00")
+    with pytest.raises(ObjectStoreError) as reading:
+        store.read_range("blobs/lumi/blake3/00", 0, memoryview(bytearray(8)))
+    for refused in (opening.value, reading.value):
+        assert refused.status == 503 and refused.code == "store_unavailable"
