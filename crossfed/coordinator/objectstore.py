@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -336,14 +336,19 @@ class ObjectStore:
         except BotoCoreError as exc:
             raise _unreachable("looking up an object", exc) from exc
 
-    def digest(self, name: str, algo: str) -> tuple[str, int]:
-        """The object's ``algo:hex`` digest and size, read as a stream (a chunk at a time)."""
+    def digest(
+        self, name: str, algo: str, also: Callable[[bytes], None] | None = None
+    ) -> tuple[str, int]:
+        """The object's ``algo:hex`` digest and size, read as a stream (a chunk at a time);
+        ``also`` sees each chunk too (a check made in the same pass)."""
         hasher, size = new_hasher(algo), 0
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=name)["Body"]
             for chunk in body.iter_chunks(CHUNK):
                 hasher.update(chunk)
                 size += len(chunk)
+                if also is not None:
+                    also(chunk)
         except (ClientError, BotoCoreError, OSError) as exc:
             raise _unreachable("reading an object back", exc) from exc
         self.moved["read"] += size

@@ -16,12 +16,13 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError, check_key
+from crossfed.coordinator.deltacheck import StreamingDeltaCheck
 from crossfed.coordinator.objectstore import ObjectStore, ObjectTensorFile
 from crossfed.wire.digests import parse_digest
 
@@ -32,9 +33,15 @@ class ObjectBlobs:
     """The run's blobs and global models in one bucket; records in the run's SQLite."""
 
     def __init__(
-        self, objects: ObjectStore, conn: sqlite3.Connection, lock: threading.RLock
+        self,
+        objects: ObjectStore,
+        conn: sqlite3.Connection,
+        lock: threading.RLock,
+        shapes: Callable[[], Mapping[str, tuple[int, ...]] | None] = lambda: None,
     ) -> None:
-        self.objects, self.conn, self.lock = objects, conn, lock
+        """``shapes``: the run's master tensors (None before a run), for the delta check
+        made while an upload is hashed."""
+        self.objects, self.conn, self.lock, self.shapes = objects, conn, lock, shapes
         self._completing: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._published: set[int] = set()
@@ -114,7 +121,11 @@ class ObjectBlobs:
                     404,
                     "unknown_upload",
                 )
-            actual, got = self.objects.digest(name, parse_digest(key)[0])
+            shapes = self.shapes()
+            check = StreamingDeltaCheck(shapes) if shapes else None
+            actual, got = self.objects.digest(
+                name, parse_digest(key)[0], None if check is None else check.feed
+            )
             if actual != key:
                 self.objects.delete(name)
                 raise BlobError(
@@ -125,7 +136,14 @@ class ObjectBlobs:
                 )
             with self.lock, store.Transaction(self.conn):
                 store.add_stored_object(self.conn, key, owner, got)
+                if check is not None and check.passed:
+                    store.add_checked_object(self.conn, key, owner)
         return {"key": key, "complete": True, "bytes": got}
+
+    def checked(self, key: str, owner: str) -> bool:
+        """Whether ``owner``'s object of ``key`` passed the delta check when it was hashed."""
+        with self.lock:
+            return store.is_checked_object(self.conn, check_key(key), owner)
 
     def _lock_for(self, name: str) -> threading.Lock:
         with self._guard:

@@ -136,7 +136,9 @@ class Coordinator:
         self.conn = store.connect(state_dir / "state.sqlite")
         self.blobs = BlobStore(state_dir / "blobs")
         #: the object store's blobs and global models (None: the file store, ``self.blobs``)
-        self.s3 = None if objects is None else ObjectBlobs(objects, self.conn, self.lock)
+        self.s3 = None
+        if objects is not None:
+            self.s3 = ObjectBlobs(objects, self.conn, self.lock, lambda: self.shapes or None)
         self.models_dir = state_dir / "models"
         self.ledger = LedgerStore(self.conn)
         self.spec: RunSpec | None = None
@@ -1002,12 +1004,15 @@ class Coordinator:
         return next(iter(sorted(stored)), None)
 
     def _validate_stored(self, blob: str, by: str | None) -> None:
-        """:meth:`_validate_delta_blob`, on the object store's object when there is one."""
+        """:meth:`_validate_delta_blob`, on the object store's object when there is one (not
+        read again when it passed the check as it was hashed)."""
         if self.s3 is None:
             self._validate_delta_blob(blob)
             return
         owner = self._object_owner(blob, by)
         assert owner is not None
+        if self.s3.checked(blob, owner):
+            return
         self._validate_delta_tensors(lambda: self.s3.open(blob, owner))  # type: ignore[union-attr]
 
     def _validate_delta_tensors(self, open_file: Callable[[], TensorFile]) -> None:

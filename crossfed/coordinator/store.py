@@ -58,6 +58,11 @@ CREATE TABLE IF NOT EXISTS stored_objects (
     bytes INTEGER NOT NULL,
     PRIMARY KEY (blob, owner)
 );
+CREATE TABLE IF NOT EXISTS checked_objects (
+    blob TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    PRIMARY KEY (blob, owner)
+);
 """
 
 
@@ -341,3 +346,16 @@ def all_stored_objects(conn: sqlite3.Connection) -> list[tuple[str, str]]:
 
 def forget_stored_object(conn: sqlite3.Connection, key: str, owner: str) -> None:
     conn.execute("DELETE FROM stored_objects WHERE blob = ? AND owner = ?", (key, owner))
+    conn.execute("DELETE FROM checked_objects WHERE blob = ? AND owner = ?", (key, owner))
+
+
+def add_checked_object(conn: sqlite3.Connection, key: str, owner: str) -> None:
+    """Blob ``key``'s object of ``owner`` passed the delta check as it was hashed."""
+    conn.execute("INSERT OR IGNORE INTO checked_objects (blob, owner) VALUES (?, ?)", (key, owner))
+
+
+def is_checked_object(conn: sqlite3.Connection, key: str, owner: str) -> bool:
+    row = conn.execute(
+        "SELECT 1 FROM checked_objects WHERE blob = ? AND owner = ?", (key, owner)
+    ).fetchone()
+    return row is not None

@@ -14,7 +14,9 @@ from pathlib import Path
 import boto3
 import httpx
 import pytest
+import torch
 import yaml
+from safetensors.torch import save_file
 
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
 from crossfed.coordinator.http_client import Refused
@@ -359,3 +361,23 @@ def test_a_store_out_of_reach_is_a_503_never_a_bad_delta() -> None:
         store.read_range("blobs/lumi/blake3/00", 0, memoryview(bytearray(8)))
     for refused in (opening.value, reading.value):
         assert refused.status == 503 and refused.code == "store_unavailable"
+
+
+def test_a_delta_with_a_non_finite_value_is_refused_at_submission(
+    s3_run: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """Its object hashes to its key, so the upload completes; the check made in the same
+    pass does not vouch for it, and the submission's full check refuses it."""
+    reference = global_model(s3_run, 0, tmp_path)
+    poisoned = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in reference.items()}
+    name = next(iter(poisoned))
+    poisoned[name].view(-1)[0] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    save_file(poisoned, str(path))
+    lease = join_and_lease(s3_run, "lumi", tiny_data)
+    site = s3_run.client("lumi", blobs="s3")
+    with pytest.raises(Refused) as refused:
+        site.submit_delta(1, path, inline=False, fresh=True, **fields("lumi", lease))
+    assert refused.value.status == 422 and refused.value.code == "bad_delta"
+    assert "non-finite" in refused.value.detail
+    assert s3_run.client().round_info(1)["deltas"] == []
