@@ -44,14 +44,15 @@ system-deps:
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Lint, the docs build, unit tests on two workers (pytest-xdist; a file's tests stay on one
-# worker), then the e2e tests one at a time: they start whole workflows, Slurm clusters and
-# Chromium.
+# worker), then the e2e tests on two workers too: the Slurm tests (which mostly wait on job
+# walltimes) in turn on one, the others (whole workflows, the soak, Chromium) file by file
+# beside them (tests/e2e/conftest.py: work_unit).
 test: setup system-deps
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ruff check crossfed tests bench scripts
 	$(MKDOCS)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -n 2 --dist loadfile tests/unit \
 		--timeout 1800 --durations=30
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q tests/e2e --timeout 1800 --durations=30
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -n 2 tests/e2e --timeout 1800 --durations=30
 
 lint: setup
 	$(BIN)/ruff check crossfed tests bench scripts

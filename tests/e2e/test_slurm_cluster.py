@@ -85,6 +85,14 @@ def test_gpu_less_partition_gets_no_gres() -> None:
     assert render_gres_conf(layout, ClusterPaths(Path("/w"))) == "AutoDetect=off\n"
 
 
+def test_a_work_directory_too_long_for_the_step_sockets_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    deep = tmp_path / ("d" * 60)
+    with pytest.raises(SlurmLayoutError, match=r"too long for Slurm's unix sockets \(\d+ bytes"):
+        SlurmTestCluster(deep)
+
+
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
@@ -144,7 +152,10 @@ def test_unavailable_cluster_skips_locally_but_fails_in_ci(
         skip_or_fail(SlurmUnavailable("no slurmctld"))
 
 
-def test_foreign_system_slurm_conf_is_refused_not_overwritten(tmp_path: Path) -> None:
+def test_foreign_system_slurm_conf_is_refused_not_overwritten(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tmp_path = tmp_path_factory.mktemp("foreign")  # short enough for the step sockets
     foreign = tmp_path / "slurm.conf"
     foreign.write_text("ClusterName=production\n")
     cluster = SlurmTestCluster(tmp_path / "c", system_conf=foreign)
@@ -346,8 +357,11 @@ def test_failed_command_error_carries_stderr(slurm_cluster: SlurmTestCluster) ->
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_stop_kills_daemons_and_jobs_and_cleans_up(tmp_path: Path) -> None:
+def test_stop_kills_daemons_and_jobs_and_cleans_up(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     layout = {"solo": PartitionSpec(("s1",), max_time="00:05:00", gpus_per_node=1, default=True)}
+    tmp_path = tmp_path_factory.mktemp("stop")  # short: the job's step socket lives under it
     cluster = SlurmTestCluster(tmp_path / "solo", layout, system_conf=None)
     try:
         cluster.start()

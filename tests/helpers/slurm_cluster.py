@@ -393,6 +393,10 @@ def _pid_alive(pid_file: Path) -> bool:
     return True
 
 
+#: sun_path's size: a unix socket's path, with its NUL, fits in this many bytes
+UNIX_PATH_MAX = 108
+
+
 class SlurmTestCluster:
     """munged + MariaDB + slurmdbd + slurmctld + slurmds under one work directory."""
 
@@ -418,6 +422,18 @@ class SlurmTestCluster:
         if not _NAME_RE.match(cluster_name) or not _NAME_RE.match(account):
             raise SlurmLayoutError(f"bad cluster/account name: {cluster_name!r}/{account!r}")
         self.paths = ClusterPaths(Path(workdir).resolve())
+        # a batch step's socket, spool/slurmd-<node>/<node>_<job>.<step>: a longer path
+        # makes slurmstepd die at launch, and the job never starts
+        longest = max(
+            len(str(self.paths.spool / f"slurmd-{node}" / f"{node}_9999.4294967291"))
+            for spec in self.partitions.values()
+            for node in spec.nodes
+        )
+        if longest >= UNIX_PATH_MAX:
+            raise SlurmLayoutError(
+                f"work directory {self.paths.root} is too long for Slurm's unix sockets "
+                f"({longest} bytes of {UNIX_PATH_MAX - 1}): use a shorter one"
+            )
         self.cluster_name = cluster_name
         self.account = account
         self.user = pwd.getpwuid(os.geteuid()).pw_name
