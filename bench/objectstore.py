@@ -9,10 +9,10 @@ the coordinator merges them into generation 1, and every site downloads it. Meas
 - ``api_bytes``: request and response body bytes through the coordinator's HTTP server over
   the round (``/v1/admin/http``): every delta and model byte with the file store, only JSON
   with the object store. Target: s3 / file <= 0.01.
-- ``process_io_bytes``: everything the coordinator process read and wrote over the round
-  (``/proc/<pid>/io``: sockets and files), its own traffic with the store included: the
-  digest check of each upload, the delta check at submission, the merge's reads and the
-  global model's upload.
+- ``process_bytes``: the bytes through the coordinator process's network over the round:
+  ``api_bytes`` plus, with the object store, its own traffic with the store (each upload
+  read back for its digest and delta check, the merge's ranged reads, the global model's
+  upload).
 - ``close_s``: the round's merge and checkpoint seconds (the coordinator's report): deltas
   read from local files against ranged reads from the store (the model's upload included).
 
@@ -64,10 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def proc_io(pid: int) -> int:
-    """Bytes the process read and wrote so far (``rchar`` + ``wchar``)."""
-    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    return int(fields["rchar"]) + int(fields["wchar"])
+def moved(counts: dict[str, Any]) -> tuple[int, int]:
+    """Body bytes through the API, and bytes between the coordinator and the store."""
+    api = counts["bytes_in"] + counts["bytes_out"]
+    return api, counts.get("store_bytes_read", 0) + counts.get("store_bytes_written", 0)
 
 
 def spec(flavour: str, sites: list[str]) -> RunSpec:
@@ -122,7 +122,7 @@ def one_round(
             for s in sites
         }
         work = root / f"sites-{backend}"
-        api0, io0 = admin.get("/v1/admin/http"), proc_io(proc.pid)
+        api0, store0 = moved(admin.get("/v1/admin/http"))
         started = time.perf_counter()
         leases, deltas = {}, {}
         for i, (site, client) in enumerate(clients.items()):
@@ -140,15 +140,15 @@ def one_round(
         info = wait_closed(admin, 1)
         for site, client in clients.items():
             client.download_model(1, work / site / "g1.safetensors")
-        api1, io1 = admin.get("/v1/admin/http"), proc_io(proc.pid)
+        api1, store1 = moved(admin.get("/v1/admin/http"))
         report = info["report"] if isinstance(info["report"], dict) else json.loads(info["report"])
         delta_bytes = sum(p.stat().st_size for p in deltas.values())
         model_bytes = (work / sites[0] / "g1.safetensors").stat().st_size
         shutil.rmtree(work, ignore_errors=True)
         return {
-            "api_bytes": (api1["bytes_in"] - api0["bytes_in"])
-            + (api1["bytes_out"] - api0["bytes_out"]),
-            "process_io_bytes": io1 - io0,
+            "api_bytes": api1 - api0,
+            "store_bytes": store1 - store0,
+            "process_bytes": api1 - api0 + store1 - store0,
             "payload_bytes": delta_bytes + 2 * len(sites) * model_bytes,  # g0 and g1 down
             "merge_s": report["merge_s"],
             "checkpoint_s": report["checkpoint_s"],
@@ -193,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         "api_ratio": ratio,
         "target_ratio": 0.01,
         "target_met": ratio <= 0.01,
-        "process_io_bytes_file": file["process_io_bytes"],
-        "process_io_bytes_s3": s3["process_io_bytes"],
-        "process_io_ratio": s3["process_io_bytes"] / max(1, file["process_io_bytes"]),
+        "store_bytes_s3": s3["store_bytes"],
+        "process_bytes_file": file["process_bytes"],
+        "process_bytes_s3": s3["process_bytes"],
+        "process_ratio": s3["process_bytes"] / max(1, file["process_bytes"]),
         "close_s_file": round(file["close_s"], 3),
         "close_s_s3": round(s3["close_s"], 3),
         "close_ratio": s3["close_s"] / file["close_s"] if file["close_s"] else math.nan,

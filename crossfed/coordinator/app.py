@@ -542,9 +542,17 @@ def _add_run_routes(app: FastAPI, api: _Api, stats: StatusStats) -> None:
 
     @app.get("/v1/admin/http")
     async def http_counts(who: Caller) -> dict[str, Any]:
-        """Responses by status code since this process started (5xx are also logged)."""
+        """Responses by status code since this process started (5xx are also logged), the
+        body bytes through the API and, with an object store, the bytes the coordinator
+        itself read from it and wrote to it (its checks, merges and global models)."""
         as_admin(who)
-        return stats.snapshot()
+        s3 = coordinator.s3
+        moved = {"read": 0, "written": 0} if s3 is None else s3.objects.moved
+        return {
+            **stats.snapshot(),
+            "store_bytes_read": moved["read"],
+            "store_bytes_written": moved["written"],
+        }
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
