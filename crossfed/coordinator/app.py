@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from crossfed.backoff import Backoff
 from crossfed.coordinator.blobs import BlobError, check_key
 from crossfed.coordinator.guards import (
     AuthGate,
@@ -70,6 +71,8 @@ KEEP_ALIVE_S = 75
 MAX_STATUS_WAIT_S = 25.0
 #: how often a status long poll looks at the open round
 STATUS_POLL_TICK_S = 0.05
+#: the longest wait between two tries of a failing tick
+TICK_RETRY_CAP_S = 2.0
 #: a blob key in a body: "blake3:<hex>", "sha256:<hex>"
 PART_KEY = Annotated[str, Field(min_length=64, max_length=80)]
 
@@ -261,6 +264,30 @@ def create_app(
     return app
 
 
+def tick_until(tick: Callable[[], None], stop: threading.Event, tick_s: float) -> None:
+    """Call ``tick`` every ``tick_s`` until ``stop``. A failing tick (the object store down
+    mid-merge, say) is retried with backoff up to ``TICK_RETRY_CAP_S`` and logged once with
+    its traceback, then once more when ticks succeed again; the server keeps serving."""
+    backoff = Backoff(tick_s, max(tick_s, TICK_RETRY_CAP_S), sleep=stop.wait)
+    failing = ""
+    while True:
+        backoff.wait()
+        if stop.is_set():
+            return
+        try:
+            tick()
+        except Exception as exc:
+            what = f"{type(exc).__name__}: {exc}"
+            if what != failing:
+                log.exception("coordinator tick failed; retrying with backoff")
+            failing = what
+            continue
+        if failing:
+            log.info("coordinator tick succeeds again (it failed with %s)", failing)
+            failing = ""
+        backoff.reset()
+
+
 def _ticking(
     coordinator: Coordinator, tick_s: float
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
@@ -271,11 +298,7 @@ def _ticking(
         stop = threading.Event()
 
         def ticker() -> None:
-            while not stop.wait(tick_s):
-                try:
-                    coordinator.tick()
-                except Exception:  # keep serving; the next tick retries
-                    log.exception("coordinator tick failed")
+            tick_until(coordinator.tick, stop, tick_s)
 
         thread = threading.Thread(target=ticker, name="crossfed-tick", daemon=True)
         thread.start()
