@@ -20,6 +20,17 @@ import httpcore
 import httpx
 
 from crossfed.backoff import Backoff
+from crossfed.coordinator.transfer import (
+    MISMATCH_RETRIES,
+    RETRY_STATUS,
+    SPAN_ALIGN,
+    IntegrityError,
+    Progress,
+    Refused,
+    Unreachable,
+    split_spans,
+    write_all,
+)
 from crossfed.fileio import create_temp_beside, replace_durably
 from crossfed.wire.digests import (
     PART_BYTES,
@@ -55,17 +66,12 @@ def read_responses_in_large_pieces(size: int = RESPONSE_READ_BYTES) -> None:
 
 read_responses_in_large_pieces()
 
-#: answers worth sending again: the coordinator (or a proxy before it) is away or busy, or
-#: its disk is full (507, nothing kept)
-RETRY_STATUS = {502, 503, 504, 507}
 #: a JSON request answered 408 (its body came too slowly) never reached its handler: resend it
 JSON_RETRY_STATUS = RETRY_STATUS | {408}
 #: refusals of one part that a resync (asking the coordinator where to resume) fixes
 RESYNC_STATUS = {408, 409}
 #: an inline delta refused for these goes as a blob instead
 INLINE_FALLBACK_STATUS = {408, 413}
-#: fresh uploads after a digest mismatch before giving up
-MISMATCH_RETRIES = 3
 #: downloaded bytes handed to the writer thread at once
 SINK_BATCH = 8 << 20
 #: the fewest bytes worth a connection of their own (smaller blobs use fewer streams)
@@ -76,20 +82,6 @@ STREAM_MIN_BYTES = 16 << 20
 KEEPALIVE_S = 60.0
 #: the longest one status request waits for a round to close (a long poll)
 STATUS_WAIT_S = 20.0
-#: spans start on multiples of this
-SPAN_ALIGN = 64 << 10
-
-
-class Refused(Exception):
-    """The coordinator refused a request (4xx); ``code`` is its stable error word."""
-
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(f"{status} {code}: {detail}")
-        self.status, self.code, self.detail = status, code, detail
-
-
-class Unreachable(Exception):
-    """The coordinator did not answer within the retry budget."""
 
 
 class CoordinatorClient:
@@ -377,7 +369,7 @@ class CoordinatorClient:
         size = end - start
         mismatches = 0
         state = {"complete": False, "offset": 0} if fresh else self.blob_state(key, http)
-        progress = _Progress(self.retry_budget_s)
+        progress = Progress(self.retry_budget_s)
         while not state["complete"]:
             offset = int(state["offset"])
             stop = min(size, offset + self.part_bytes)
@@ -512,7 +504,7 @@ class CoordinatorClient:
                 return self._download_parallel(url, dest, what, size, _key(digest))
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = create_temp_beside(dest, suffix=".part", mode=0o644)
-        progress = _Progress(self.retry_budget_s)
+        progress = Progress(self.retry_budget_s)
         sink = _Sink(fd)
         try:
             size, digest = None, expected
@@ -606,7 +598,7 @@ class CoordinatorClient:
         """Bytes ``[start, end)`` of ``url`` into ``fd`` at their offsets, in ranges of
         ``part_bytes``; a range cut short resumes from the bytes written."""
         position, end = span
-        progress = _Progress(self.retry_budget_s)
+        progress = Progress(self.retry_budget_s)
         while position < end:
             stop = min(end, position + self.part_bytes) - 1
             try:
@@ -618,7 +610,7 @@ class CoordinatorClient:
                         raise IntegrityError(f"{what} changed while it was fetched")
                     for chunk in r.iter_raw():
                         chunk = chunk[: stop + 1 - position]
-                        _write_all(fd, chunk, position)
+                        write_all(fd, chunk, position)
                         position += len(chunk)
                 progress.advanced()
             except httpx.TransportError as exc:
@@ -627,15 +619,6 @@ class CoordinatorClient:
                 if exc.status not in RETRY_STATUS:
                     raise
                 progress.wait(self.sleep, f"download of {what}", exc)
-
-
-def split_spans(size: int, n: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of ``n`` contiguous spans covering ``size`` bytes, as even as whole
-    ``SPAN_ALIGN`` blocks allow (the last takes the rest)."""
-    blocks = -(-size // SPAN_ALIGN)
-    n = max(1, min(n, blocks))
-    bounds = [min(size, (blocks * i // n) * SPAN_ALIGN) for i in range(n)] + [size]
-    return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
 class _Sink:
@@ -674,7 +657,7 @@ class _Sink:
     def _absorb(self, pieces: list[bytes]) -> None:
         assert self.hasher is not None
         for piece in pieces:
-            _write_all(self.fd, piece, self.written)
+            write_all(self.fd, piece, self.written)
             self.hasher.update(piece)
             self.written += len(piece)
         start_writeback(self.fd)
@@ -695,26 +678,6 @@ class _Sink:
             os.close(self.fd)
 
 
-class IntegrityError(Exception):
-    """Bytes did not match their digest."""
-
-
-class _Progress:
-    """Retry budget that restarts whenever a transfer makes progress, with backoff."""
-
-    def __init__(self, budget_s: float) -> None:
-        self.budget_s = budget_s
-        self.backoff = Backoff(0.2, 5.0, jitter=True, budget_s=budget_s)
-
-    def advanced(self) -> None:
-        self.backoff.reset()
-
-    def wait(self, sleep: Callable[[float], None], what: str, error: Exception) -> None:
-        self.backoff.sleep = sleep
-        if not self.backoff.wait():
-            raise Unreachable(f"{what} made no progress for {self.budget_s}s: {error}") from error
-
-
 def _key(key: str) -> str:
     try:
         return canonical_digest(key)
@@ -728,13 +691,6 @@ def _range_total(response: httpx.Response) -> int:
     if "/" in content_range:
         return int(content_range.rsplit("/", 1)[1])
     return int(response.headers.get("Content-Length", "0"))
-
-
-def _write_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
 
 
 def _refusal(response: httpx.Response) -> Refused:

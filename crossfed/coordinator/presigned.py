@@ -8,28 +8,28 @@ key. A part refused because its URL expired gets a fresh URL for the same upload
 store lost (it restarted) are sent again when the completion names them; a digest mismatch
 starts a new upload. A download fetches byte spans of the object in parallel and checks the
 whole file against its digest. Every request is retried through the client's backoff
-(:class:`crossfed.coordinator.http_client._Progress`) while it makes progress.
+(:class:`crossfed.coordinator.transfer.Progress`) while it makes progress.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from crossfed.coordinator.http_client import (
+from crossfed.coordinator.transfer import (
     MISMATCH_RETRIES,
     RETRY_STATUS,
-    CoordinatorClient,
     IntegrityError,
+    Progress,
     Refused,
-    _Progress,
-    _write_all,
     split_spans,
+    write_all,
 )
 from crossfed.fileio import create_temp_beside, replace_durably
 from crossfed.wire.digests import digest_file, iter_chunks, parse_digest
@@ -43,10 +43,27 @@ class Expired(Exception):
     """The store refused a presigned URL (expired, or its signature no longer holds)."""
 
 
+class UrlClient(Protocol):
+    """What presigned transfers ask of the coordinator's client
+    (:class:`crossfed.coordinator.http_client.CoordinatorClient`): the URLs, its retry
+    budget and its stream settings."""
+
+    retry_budget_s: float
+    part_bytes: int
+    streams: int
+    sleep: Callable[[float], None]
+
+    def get(self, path: str, **kwargs: Any) -> Any: ...
+
+    def post(self, path: str, body: Any = None, **kwargs: Any) -> Any: ...
+
+    def streams_for(self, size: int) -> int: ...
+
+
 class ObjectTransfers:
     """Uploads and downloads of one client through presigned URLs."""
 
-    def __init__(self, client: CoordinatorClient, http: httpx.Client) -> None:
+    def __init__(self, client: UrlClient, http: httpx.Client) -> None:
         self.client, self.http = client, http
 
     # ------------------------------------------------------------------ upload
@@ -108,7 +125,7 @@ class ObjectTransfers:
 
     def _put_part(self, path: Path, part: dict[str, Any]) -> None:
         start, length = int(part["offset"]), int(part["bytes"])
-        progress = _Progress(self.client.retry_budget_s)
+        progress = Progress(self.client.retry_budget_s)
         while True:
             try:
                 response = self.http.put(
@@ -167,7 +184,7 @@ class ObjectTransfers:
         """Bytes ``[start, end)`` into ``fd`` in ranges of ``part_bytes``; a range cut short
         resumes from the bytes written, an expired URL is presigned again."""
         position, end = span
-        progress = _Progress(self.client.retry_budget_s)
+        progress = Progress(self.client.retry_budget_s)
         refreshes = 0
         while position < end:
             stop = min(end, position + self.client.part_bytes) - 1
@@ -188,7 +205,7 @@ class ObjectTransfers:
                         continue
                     for chunk in response.iter_raw():
                         chunk = chunk[: stop + 1 - position]
-                        _write_all(fd, chunk, position)
+                        write_all(fd, chunk, position)
                         position += len(chunk)
                 progress.advanced()
                 refreshes = 0
