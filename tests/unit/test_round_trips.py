@@ -138,3 +138,14 @@ def test_a_site_waiting_for_a_merge_hears_of_it_in_the_waiting_request(
     assert not poll.is_alive()
     assert answers[0]["round"] == 2 and answers[0]["model"]["generation"] == 1
     assert len([r for r in seen if r.url.path == "/v1/status"]) == 1  # one request, held
+
+
+def test_a_site_that_measured_its_rtt_asks_nothing_more_to_learn_the_blob_backend(
+    run: LiveCoordinator,
+) -> None:
+    client = run.client("lumi", blobs=None)  # the backend not known from a config
+    seen = requests_of(client, 1)
+    client.rtt_ms()
+    assert [r.url.path for r in seen] == ["/v1/health"] * 3
+    assert client.backend == "file"
+    assert len(seen) == 3  # the backend came with the health checks' answers
