@@ -28,6 +28,7 @@ from crossfed.coordinator.transfer import (
     Progress,
     Refused,
     Unreachable,
+    fetch_spans,
     split_spans,
     write_all,
 )
@@ -572,28 +573,13 @@ class CoordinatorClient:
     def _download_parallel(self, url: str, dest: Path, what: str, size: int, digest: str) -> Path:
         """GET ``url`` as ``streams`` byte spans over as many connections, each written in
         place as it arrives and resumed on its own; the whole is digest-checked at the end."""
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = create_temp_beside(dest, suffix=".part", mode=0o644)
-        spans = split_spans(size, self.streams_for(size))
-        clients = self._stream_clients(len(spans))
+        n = len(split_spans(size, self.streams_for(size)))
+        clients = self._stream_clients(n)
 
-        def fetch(i: int) -> None:
-            self._fetch_span(clients[i], url, fd, spans[i], what, digest)
+        def fetch(i: int, fd: int, span: tuple[int, int]) -> None:
+            self._fetch_span(clients[i], url, fd, span, what, digest)
 
-        try:
-            os.ftruncate(fd, size)
-            with ThreadPoolExecutor(len(spans), thread_name_prefix="crossfed-download") as pool:
-                list(pool.map(fetch, range(len(spans))))
-            os.fsync(fd)
-            if digest_file(tmp, parse_digest(digest)[0]) != digest:
-                raise IntegrityError(f"{what}: the bytes received do not match {digest}")
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        replace_durably(tmp, dest)
-        return dest
+        return fetch_spans(dest, size, digest, n, fetch, what)
 
     def _fetch_span(
         self, http: httpx.Client, url: str, fd: int, span: tuple[int, int], what: str, digest: str

@@ -14,7 +14,6 @@ whole file against its digest. Every request is retried through the client's bac
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,11 +27,10 @@ from crossfed.coordinator.transfer import (
     IntegrityError,
     Progress,
     Refused,
-    split_spans,
+    fetch_spans,
     write_all,
 )
-from crossfed.fileio import create_temp_beside, replace_durably
-from crossfed.wire.digests import digest_file, iter_chunks, parse_digest
+from crossfed.wire.digests import iter_chunks
 
 log = logging.getLogger("crossfed.client")
 #: fresh URLs asked for in a row without a part getting through before giving up
@@ -155,28 +153,12 @@ class ObjectTransfers:
         size, digest = int(info["bytes"]), str(info["digest"])
         if expected is not None and digest != expected:
             raise IntegrityError(f"{what}: the coordinator names it {digest}")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = create_temp_beside(dest, suffix=".part", mode=0o644)
-        spans = split_spans(size, self.client.streams_for(size))
         current = {"url": info["url"]}
 
-        def fetch(span: tuple[int, int]) -> None:
+        def fetch(_i: int, fd: int, span: tuple[int, int]) -> None:
             self._fetch_span(url, current, fd, span, what)
 
-        try:
-            os.ftruncate(fd, size)
-            with ThreadPoolExecutor(len(spans), thread_name_prefix="crossfed-get") as pool:
-                list(pool.map(fetch, spans))
-            os.fsync(fd)
-            if digest_file(tmp, parse_digest(digest)[0]) != digest:
-                raise IntegrityError(f"{what}: the bytes received do not match {digest}")
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        replace_durably(tmp, dest)
-        return dest
+        return fetch_spans(dest, size, digest, self.client.streams_for(size), fetch, what)
 
     def _fetch_span(
         self, url: str, current: dict[str, str], fd: int, span: tuple[int, int], what: str

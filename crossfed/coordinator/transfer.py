@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from crossfed.backoff import Backoff
+from crossfed.fileio import create_temp_beside, replace_durably
+from crossfed.wire.digests import digest_file, parse_digest
 
 #: answers worth sending again: the coordinator (or a proxy before it) is away or busy, or
 #: its disk is full (507, nothing kept)
@@ -64,3 +68,33 @@ def write_all(fd: int, data: bytes, offset: int) -> None:
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
+
+
+def fetch_spans(
+    dest: Path,
+    size: int,
+    digest: str,
+    n_spans: int,
+    fetch: Callable[[int, int, tuple[int, int]], None],
+    what: str,
+) -> Path:
+    """``dest`` from ``size`` bytes fetched as ``n_spans`` byte spans in parallel, each by
+    ``fetch(i, fd, span)`` writing at its offsets into one temporary file beside ``dest``;
+    the whole is digest-checked, then published atomically (nothing is left on failure)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = create_temp_beside(dest, suffix=".part", mode=0o644)
+    spans = split_spans(size, n_spans)
+    try:
+        os.ftruncate(fd, size)
+        with ThreadPoolExecutor(len(spans), thread_name_prefix="crossfed-download") as pool:
+            list(pool.map(lambda i: fetch(i, fd, spans[i]), range(len(spans))))
+        os.fsync(fd)
+        if digest_file(tmp, parse_digest(digest)[0]) != digest:
+            raise IntegrityError(f"{what}: the bytes received do not match {digest}")
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    replace_durably(tmp, dest)
+    return dest
