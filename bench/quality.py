@@ -19,7 +19,9 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
   workflow's default, eta=1 and beta=0 for any number of sites; ``tuned``, the default
   before it, beta=0 and eta=1/sqrt(M); or ``paper``, eta=0.7 and beta=0.9 with the solo full
   step; or ``eta=E,beta=B[,solo=0|1]``), inner AdamW state kept per site across rounds
-  (``--adam-state``: reset, or averaged over the sites at each merge, are levers to measure);
+  (``--adam-state``: ``shared``, the workflow's default, rescales each site's second moment to
+  the token-weighted mean of the sites' row and column factors at each merge; ``keep``,
+  reset, or whole moments averaged are levers to measure);
 * FedAvg: the same with beta=0, eta=1 (the token-weighted mean of the site models; with the
   ``average`` preset it is the DiLoCo row itself, trained once);
 * DiLoCo 1 site: one site of batch 3*B with the same outer step as the DiLoCo row;
@@ -95,6 +97,7 @@ from crossfed.outer import (
     OuterConfig,
     outer_step,
 )
+from crossfed.train import moments
 from crossfed.train.inner import (
     InnerConfig,
     LeaseWindows,
@@ -120,7 +123,9 @@ ADAM_AVERAGES: dict[str, tuple[str, ...]] = {
     "average-m": ("exp_avg",),
     "average-v": ("exp_avg_sq",),
 }
-ADAM_STATES = ("keep", "reset", *ADAM_AVERAGES)
+#: ``shared``: the workflow's (``inner.second_moment: shared``, crossfed.train.moments);
+#: ``keep``: each site's own (``inner.second_moment: own``)
+ADAM_STATES = ("shared", "keep", "reset", *ADAM_AVERAGES)
 #: H -> optimiser steps T of each named regime (R = T / H rounds)
 REGIMES: dict[str, dict[int, int]] = {
     "long": {25: 1000, 100: 2000},  # the workflow's H over 40 rounds, the paper's over 20
@@ -205,7 +210,9 @@ class Run:
         self.train_s = 0.0
         #: what happens to the sites' AdamW state at a merge (the workflow keeps it), and at
         #: every how many merges
-        self.adam_state, self.adam_every = "keep", 1
+        self.adam_state, self.adam_every = "shared", 1
+        #: the merged second-moment factors a site adopts with the merged model (``shared``)
+        self.merged_moments: dict[str, torch.Tensor] = {}
         self.merges = 0
         #: the (eta, beta) each outer step ran with, by number of contributors
         self.steps_run: dict[int, tuple[float, float]] = {}
@@ -221,6 +228,10 @@ class Run:
             self.optimizers = [make_optimizer(self.model, self.inner, lr=0.0) for _ in deltas]
         elif self.adam_state in ADAM_AVERAGES and len(self.optimizers) > 1:
             average_adam_state(self.optimizers, ADAM_AVERAGES[self.adam_state])
+        elif self.adam_state == "shared":  # each site adopts them with the merged model
+            params = parameters_of(self.model)
+            sent = [moments.state_factors(params, opt) for opt in self.optimizers]
+            self.merged_moments = moments.merge(sent, tokens)
 
     def round(self, leases: list[list[int]], steps: int) -> None:
         """Every site trains its lease from the global model; the outer step merges."""
@@ -229,6 +240,7 @@ class Run:
         published = self.published()
         for i, lease in enumerate(leases):
             load_parameters(self.model, published)
+            self.adopt_moments(i)
             optimizer = self.optimizers[i]
             trainer = Trainer(self.model, optimizer, self.inner)
             state = run_inner_phase(
@@ -247,6 +259,12 @@ class Run:
         self.global_step += steps
         self.train_s += time.perf_counter() - t0
 
+    def adopt_moments(self, site: int) -> None:
+        """Site ``site`` rescales its AdamW second moment to the merged factors, as a site of
+        the workflow does when it adopts a merged model (``inner.second_moment: shared``)."""
+        if self.merged_moments:
+            moments.adopt(parameters_of(self.model), self.optimizers[site], self.merged_moments)
+
     def published(self) -> dict[str, torch.Tensor]:
         """A copy of the global model the sites download: the fp32 master in the wire's
         global dtype (centralised training has no wire: its model simply continues)."""
@@ -261,12 +279,12 @@ class Run:
 
 
 def average_adam_state(
-    optimizers: list[torch.optim.Optimizer], moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    optimizers: list[torch.optim.Optimizer], keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 ) -> None:
-    """Every optimiser's AdamW ``moments`` become their mean over the optimisers (a lever the
-    bench measures; the workflow keeps each site's own)."""
+    """Every optimiser's AdamW moments ``keys`` become their mean over the optimisers, whole
+    (a lever the bench measures; the workflow shares the second moment's factors)."""
     for p in optimizers[0].state:
-        for key in moments:
+        for key in keys:
             mean = torch.stack([opt.state[p][key] for opt in optimizers]).mean(0)
             for opt in optimizers:
                 opt.state[p][key].copy_(mean)
@@ -297,6 +315,7 @@ class OverlapRun(Run):
             state = PhaseState()
             if sent is None:  # the first round: nothing in flight, train from the global model
                 load_parameters(self.model, merged)
+                self.adopt_moments(i)
             else:
                 load_parameters(self.model, sent)
                 stale = min(self.tau, steps) * self.inner.windows_per_step
@@ -304,6 +323,7 @@ class OverlapRun(Run):
                     state = self._phase(trainer, lease[:stale], state)
                 theta = fold_in(parameters_of(self.model), sent, merged, self.overlap)
                 load_parameters(self.model, theta)
+                self.adopt_moments(i)
             state = self._phase(trainer, lease, state)
             ended = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
             deltas.append(delta_of(ended, merged, self.wire.delta_dtype))
@@ -535,9 +555,11 @@ def main() -> None:
     parser.add_argument(
         "--adam-state",
         choices=ADAM_STATES,
-        default="keep",
-        help="the sites' AdamW state at a merge: keep (the workflow's), reset, "
-        "or average over the sites (both moments, or only m or v)",
+        default="shared",
+        help="the sites' AdamW state at a merge: shared (the workflow's default: the second "
+        "moment's row and column factors averaged, crossfed.train.moments), keep (each site's "
+        "own: inner.second_moment: own), reset, or average over the sites whole (both "
+        "moments, or only m or v)",
     )
     parser.add_argument("--adam-every", type=int, default=1,
                         help="apply --adam-state at every K-th merge (default: each)")  # fmt: skip
