@@ -86,6 +86,7 @@ from pathlib import Path
 
 import torch
 
+from crossfed import moments
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.prepare import prepare
 from crossfed.data.windows import WindowStore
@@ -97,7 +98,6 @@ from crossfed.outer import (
     OuterConfig,
     outer_step,
 )
-from crossfed.train import moments
 from crossfed.train.inner import (
     InnerConfig,
     LeaseWindows,
@@ -123,7 +123,7 @@ ADAM_AVERAGES: dict[str, tuple[str, ...]] = {
     "average-m": ("exp_avg",),
     "average-v": ("exp_avg_sq",),
 }
-#: ``shared``: the workflow's (``inner.second_moment: shared``, crossfed.train.moments);
+#: ``shared``: the workflow's (``inner.second_moment: shared``, crossfed.moments);
 #: ``keep``: each site's own (``inner.second_moment: own``)
 ADAM_STATES = ("shared", "keep", "reset", *ADAM_AVERAGES)
 #: H -> optimiser steps T of each named regime (R = T / H rounds)
@@ -557,7 +557,7 @@ def main() -> None:
         choices=ADAM_STATES,
         default="shared",
         help="the sites' AdamW state at a merge: shared (the workflow's default: the second "
-        "moment's row and column factors averaged, crossfed.train.moments), keep (each site's "
+        "moment's row and column factors averaged, crossfed.moments), keep (each site's "
         "own: inner.second_moment: own), reset, or average over the sites whole (both "
         "moments, or only m or v)",
     )

@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from crossfed import moments
 from crossfed.coordinator.embedded import (
     EndpointError,
     ensure_secrets,
@@ -59,6 +60,7 @@ def tiny_spec(data_dir: Path, **overrides) -> RunSpec:
         rounds=RoundPolicy(join_window_s=0.5, deadline_s=600),
         # leases as asked: the tests that pin a first lease's size; the probe has its own
         leases=LeasePolicy(min_ttl_s=2.0, initial_ttl_s=60.0, probe_share=1.0),
+        second_moment=moments.DEFAULT_MODE,
     )
     fields.update(overrides)
     return RunSpec(**fields)

@@ -246,6 +246,7 @@ def write_generation(
     fill: Callable[[Emit], T],
     *,
     momentum: bool,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[str, T, float]:
     """Write one generation's two files as ``fill`` produces its tensors.
 
@@ -257,8 +258,10 @@ def write_generation(
     are temp files, fsynced and renamed when complete; an exception (in ``fill`` or in the
     writing, raised by the next ``emit`` or here) leaves neither. Returns the global model's
     digest, ``fill``'s result and the seconds the writer spent writing (which overlap the
-    rest of the merge).
+    rest of the merge). ``extra`` tensors (the sites' merged second-moment factors,
+    :mod:`crossfed.moments`) go to the end of the global model as they are.
     """
+    extra = dict(extra or {})
     meta = {"generation": str(generation), "format": FORMAT}
     state_specs, global_specs = [], []
     for name, shape in shapes.items():
@@ -266,6 +269,8 @@ def write_generation(
         if momentum:
             state_specs.append(TensorSpec(MOMENTUM + name, torch.float32, shape))
         global_specs.append(TensorSpec(name, torch.bfloat16, shape))
+    for name, value in extra.items():
+        global_specs.append(TensorSpec(name, value.dtype, tuple(value.shape)))
     with (
         stream_writer(state_path, state_specs, meta, algo=None) as state,
         stream_writer(global_path, global_specs, meta) as model,
@@ -278,6 +283,8 @@ def write_generation(
             writer.close(cancel=True)
             raise
         writer.close(cancel=False)
+        for value in extra.values():
+            model.write(value.contiguous())
     crash_point("after_generation_write")
     return model.digest, result, writer.busy_s
 

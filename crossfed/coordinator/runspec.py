@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from crossfed import moments
 from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
@@ -61,6 +62,10 @@ class RunSpec:
     schedule: LRSchedule = field(default_factory=LRSchedule)
     rounds: RoundPolicy = field(default_factory=RoundPolicy)
     leases: LeasePolicy = field(default_factory=LeasePolicy)
+    #: the sites' AdamW second moment at a merge (``inner.second_moment``,
+    #: :mod:`crossfed.moments`): ``shared`` or ``own``; None is not yet decided (a config
+    #: that leaves it unset), resolved when the run is stored (:func:`resolve_outer`)
+    second_moment: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +87,8 @@ class RunSpec:
                 schedule=LRSchedule(**data.get("schedule", {})),
                 rounds=RoundPolicy(**data.get("rounds", {})),
                 leases=LeasePolicy(**data.get("leases", {})),
+                # a run stored before the setting existed kept each site's own
+                second_moment=data.get("second_moment", moments.LEGACY_MODE),
             )
         except KeyError as exc:
             raise RunSpecError(f"run spec is missing field {exc.args[0]!r}") from exc
@@ -100,6 +107,11 @@ class RunSpec:
         share = spec.leases.probe_share
         if not 0.0 < share <= 1.0:
             raise RunSpecError(f"leases.probe_share must be in (0, 1], got {share}")
+        if spec.second_moment is not None and spec.second_moment not in moments.MODES:
+            raise RunSpecError(
+                f"second_moment must be one of {', '.join(moments.MODES)}, "
+                f"got {spec.second_moment!r}"
+            )
         problem = flavour_error(spec.flavour)
         if problem:
             raise RunSpecError(f"flavour: {problem}")
@@ -107,16 +119,21 @@ class RunSpec:
 
 
 def resolve_outer(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
-    """``spec`` with its outer preset decided: one left unset (None) takes the existing
-    run's, or :data:`~crossfed.outer.DEFAULT_PRESET` for a new run.
+    """``spec`` with its outer preset and its second-moment mode decided: one left unset
+    (None) takes the existing run's, or the default (:data:`~crossfed.outer.DEFAULT_PRESET`,
+    :data:`~crossfed.moments.DEFAULT_MODE`) for a new run.
 
-    So a changed default never changes a run in progress: a run keeps the preset it was
-    created with when its config leaves ``outer.preset`` unset.
+    So a changed default never changes a run in progress: a run keeps the preset and mode
+    it was created with when its config leaves ``outer.preset`` or ``inner.second_moment``
+    unset.
     """
-    if spec.outer.preset is not None:
-        return spec
-    preset = existing.outer.preset if existing is not None else DEFAULT_PRESET
-    return replace(spec, outer=replace(spec.outer, preset=preset))
+    if spec.outer.preset is None:
+        preset = existing.outer.preset if existing is not None else DEFAULT_PRESET
+        spec = replace(spec, outer=replace(spec.outer, preset=preset))
+    if spec.second_moment is None:
+        mode = existing.second_moment if existing is not None else moments.DEFAULT_MODE
+        spec = replace(spec, second_moment=mode)
+    return spec
 
 
 #: the only field a rerun may change on an existing run: more rounds lengthen the schedule
@@ -181,4 +198,5 @@ def run_spec(config: dict[str, Any], sites: Mapping[str, SiteConfig]) -> RunSpec
             initial_ttl_s=config["darl"]["initial_ttl_s"],
             probe_share=config["darl"]["probe_share"],
         ),
+        second_moment=inner.get("second_moment"),
     )

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from crossfed import moments
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError, BlobStore, check_key
 from crossfed.coordinator.faults import crash_point
@@ -302,11 +303,17 @@ class Coordinator:
         return path, digest
 
     def _write_generation(
-        self, generation: int, fill: Callable[[Emit], T], *, momentum: bool
+        self,
+        generation: int,
+        fill: Callable[[Emit], T],
+        *,
+        momentum: bool,
+        extra: dict[str, torch.Tensor] | None = None,
     ) -> tuple[str, T, float]:
         """Generation ``generation``'s files, written as ``fill`` produces its tensors
-        (:func:`crossfed.coordinator.generations.write_generation`); with an object store
-        the global model is written there too before the generation is published."""
+        (:func:`crossfed.coordinator.generations.write_generation`; ``extra``: the merged
+        second-moment factors, at the end of the global model); with an object store the
+        global model is written there too before the generation is published."""
         written = write_generation(
             self._master_path(generation),
             self._model_file(generation),
@@ -314,6 +321,7 @@ class Coordinator:
             generation,
             fill,
             momentum=momentum,
+            extra=extra,
         )
         if self.s3 is not None:
             self.s3.publish_model(self._model_file(generation), generation)
@@ -1114,10 +1122,36 @@ class Coordinator:
                 self.spec.outer,
             )  # fmt: skip
 
-        digest, report, checkpoint_s = self._write_generation(generation, step, momentum=True)
+        extra = self._merged_moments(deltas, paths, tokens)
+        digest, report, checkpoint_s = self._write_generation(
+            generation, step, momentum=True, extra=extra
+        )
         merge_s = self.monotonic() - started - checkpoint_s
         with self.lock:
             return self._publish(current, deltas, reason, report, digest, merge_s, checkpoint_s)
+
+    def _merged_moments(
+        self, deltas: list[dict], paths: list[Path | TensorFile], tokens: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """The token-weighted mean of the second-moment factors the round's deltas carry,
+        for the global model (a run whose ``second_moment`` is ``shared``; else none). A
+        site's factors that do not fit the model are left out, and logged."""
+        assert self.spec is not None
+        if self.spec.second_moment != moments.SHARED:
+            return {}
+        sent: list[dict[str, torch.Tensor]] = []
+        for delta, path in zip(deltas, paths, strict=True):
+            if isinstance(path, TensorFile):  # an object: the merge closes it
+                factors = decoded(path).moments()
+            else:
+                with TensorFile(path) as handle:
+                    factors = decoded(handle).moments()
+            wrong = moments.problem(factors, self.shapes)
+            if wrong:
+                log.warning("second-moment factors of site %s left out: %s", delta["site"], wrong)
+                factors = {}
+            sent.append(factors)
+        return moments.merge(sent, tokens)
 
     def _delta_source(self, delta: dict[str, Any]) -> Path | TensorFile:
         """Where the merge reads an accepted delta: its file, or its object in ranges."""

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from crossfed import moments
 from crossfed.coordinator.faults import crash_point
 from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.darl.blockspace import BlockSpace
@@ -84,7 +85,7 @@ from crossfed.train.inner import (
     make_optimizer,
     run_inner_phase,
 )
-from crossfed.train.model import build_model, flops_per_token
+from crossfed.train.model import build_model, flops_per_token, parameters_of
 from crossfed.train.overlap import fold_in
 from crossfed.train.schedule import LRSchedule
 from crossfed.wire.codecs import save_delta
@@ -382,13 +383,27 @@ class SiteRunner:
                 checkpoint.load(newest, self.model, self.optimizer, weights=False)
         self._restored = True
 
+    def adopt_moments(self, merged: dict[str, torch.Tensor]) -> None:
+        """Rescale the AdamW second moment to the merged factors a global model carries
+        (``inner.second_moment: shared``; none: nothing to do). Collective."""
+        if merged:
+            assert self.model is not None and self.optimizer is not None
+            changed = moments.adopt(parameters_of(self.model), self.optimizer, merged)
+            log.debug("%s adopted the merged second moment of %d tensors",
+                      site_prefix(self.s.site), changed)  # fmt: skip
+
     def _run_phase(self, round_no: int, start: RoundStart) -> RoundOutcome:
         """Train the lease, then checkpoint and send (rank 0) what was trained."""
         self._ensure_model(start.flavour, start.vocab_size)
         assert self.model is not None
+        merged_moments: dict[str, torch.Tensor] = {}
         if start.cursor is None and not start.early:
-            load_full_parameters(self.model, load_file(start.model_path))
+            tensors = load_file(start.model_path)
+            load_full_parameters(self.model, moments.without_moments(tensors))
+            merged_moments = moments.only_moments(tensors)
+            del tensors
         self._restore(start.cursor)
+        self.adopt_moments(merged_moments)  # after the optimiser state is restored
         state = start.cursor.phase if start.cursor else PhaseState()
         resumed_at = state.windows
         beat: Beat = (
@@ -477,6 +492,8 @@ class SiteRunner:
         assert self.model is not None
         t1 = time.perf_counter()
         params = full_parameters(self.model)
+        assert self.optimizer is not None  # the factors travel with the delta (collective)
+        factors = moments.state_factors(parameters_of(self.model), self.optimizer)
         self._save(self._cursor(round_no, start, state, "done"))
         pending = None
         if self.ranks.main:
@@ -495,6 +512,7 @@ class SiteRunner:
                     params, reference, delta_path, {"site": self.s.site, "round": str(round_no)},
                     codec=self.s.compress, residual_in=carried, residual_out=residual_path,
                     residual_metadata=checkpoint.residual_metadata(round_no, start.generation),
+                    extra=factors,
                 )  # fmt: skip
             pending = PendingDelta(
                 round=round_no, lease_id=start.lease_id, generation=start.generation,
@@ -639,8 +657,9 @@ class _Fold:
             self.download_s = inflight.download_s
             info = (str(inflight.merged_path), inflight.generation, inflight.global_step)
         path, generation, global_step = broadcast_object(info, r.ranks)
-        merged = inflight.merged if r.ranks.main else load_file(path)
-        assert merged is not None
+        tensors = inflight.merged if r.ranks.main else load_file(path)
+        assert tensors is not None
+        merged = moments.without_moments(tensors)
         if steps == 0:  # arrived before the first step: the phase is an ordinary one
             load_full_parameters(r.model, merged)
         else:
@@ -650,6 +669,8 @@ class _Fold:
             crash_point("site_mid_fold", f"{r.s.site}:{self.start.lease['round']}")  # tests only
             load_full_parameters(r.model, folded)
             del theta
+        r.adopt_moments(moments.only_moments(tensors))
+        del tensors
         if r.ranks.main:
             inflight.merged = None
         r._sent = None

@@ -17,6 +17,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
     from crossfed.coordinator.embedded import client_for
     from crossfed.data.windows import WindowStore
+    from crossfed.moments import without_moments
     from crossfed.train.distributed import DistributedError, resolve_device
     from crossfed.train.inner import evaluate
     from crossfed.train.model import build_model, load_parameters
@@ -33,7 +34,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     download_s = time.perf_counter() - t0
     val = WindowStore.open(Path(config["data"]["dir"]), "val")
     model = build_model(config["model"]["flavour"], vocab_size=val.vocab_size, device=device)
-    load_parameters(model, load_file(str(path), device=device))
+    load_parameters(model, without_moments(load_file(str(path), device=device)))
     t1 = time.perf_counter()
     loss, ppl = evaluate(
         model,
@@ -74,6 +75,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file
 
     from crossfed.data.windows import read_meta
+    from crossfed.moments import without_moments
     from crossfed.train.export import ExportError, export_hf
 
     config = run_config(args)
@@ -93,7 +95,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     tokenizer = data / "tokenizer.json"
     try:
         out = export_hf(
-            load_file(str(model)),
+            without_moments(load_file(str(model))),
             config["model"]["flavour"],
             int(meta["vocab_size"]),
             Path(args.out),

@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from crossfed.moments import is_moment_key
 from crossfed.outer import DeltaError
 from crossfed.wire.deltas import delta_tensor
 from crossfed.wire.tensors import TensorSpec, save_stream, stream_writer
@@ -301,6 +302,7 @@ def save_delta(
     residual_in: Mapping[str, Tensor] | None = None,
     residual_out: Path | None = None,
     residual_metadata: Mapping[str, str] | None = None,
+    extra: Mapping[str, Tensor] | None = None,
 ) -> str:
     """Write the ``codec``-encoded delta tensor by tensor; returns its digest.
 
@@ -310,12 +312,19 @@ def save_delta(
     ``residual_metadata`` in its header. One tensor's delta exists at a time and both
     ``global_params`` and ``residual_in`` may be lazy
     (:func:`crossfed.wire.tensors.open_tensors`), so no second copy of the model is ever held.
-    Tensor names come from ``global_params``.
+    Tensor names come from ``global_params``. ``extra`` tensors (the site's second-moment
+    factors, :mod:`crossfed.moments`; their names carry its prefix) follow the delta
+    as they are, neither encoded nor fed back.
     """
     enc = encoder(codec, block)
-    names = list(global_params.keys())
+    names = [n for n in global_params.keys() if not is_moment_key(n)]
     shapes = {name: tuple(site_params[name].shape) for name in names}
     specs = [spec for name in names for spec in enc.specs(name, shapes[name])]
+    extra = dict(extra or {})
+    bad = [k for k in extra if not is_moment_key(k)]
+    if bad:
+        raise ValueError(f"extra delta tensor {bad[0]!r} is not a second-moment factor")
+    specs += [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
     meta = {**dict(metadata or {}), **enc.metadata(shapes)}
     stored_base = {spec.name: name for name in names for spec in enc.specs(name, shapes[name])}
     current: dict[str, Tensor] = {}
@@ -328,6 +337,8 @@ def save_delta(
             )
 
         def produce(spec: TensorSpec) -> Tensor:
+            if spec.name in extra:
+                return extra[spec.name].contiguous()
             if spec.name not in current:
                 current.clear()  # the previous tensor's parts are written: drop them
                 base = stored_base[spec.name]
@@ -370,7 +381,8 @@ class DecodedDelta(Mapping[str, Tensor]):
         self.codec = meta.get(CODEC_KEY, "none")
         if self.codec not in CODECS:
             raise CodecError(f"delta uses unknown codec {self.codec!r}")
-        stored = list(handle.keys())
+        stored = [k for k in handle.keys() if not is_moment_key(k)]
+        self._moments = [k for k in handle.keys() if is_moment_key(k)]
         self.block = BLOCKS.get(self.codec, BLOCK)
         self.shapes: dict[str, tuple[int, ...]] = {}
         if self.codec == "none":
@@ -400,6 +412,17 @@ class DecodedDelta(Mapping[str, Tensor]):
 
     def keys(self) -> list[str]:  # type: ignore[override]
         return list(self._names)
+
+    def moments(self) -> dict[str, Tensor]:
+        """The site's second-moment factors the file carries (:mod:`crossfed.moments`;
+        empty: none), in fp32. They are not among the mapping's keys."""
+        out = {}
+        for key in self._moments:
+            value = self.handle.get_tensor(key)
+            if not value.is_floating_point():
+                raise CodecError(f"second-moment factor {key!r} is stored as {value.dtype}", key)
+            out[key] = value.float()
+        return out
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

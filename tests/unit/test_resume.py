@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from crossfed import moments
 from crossfed.config import ConfigError, load_run_config, load_sites
-from crossfed.coordinator.runspec import RunSpec, differences, run_spec
+from crossfed.coordinator.runspec import RunSpec, RunSpecError, differences, run_spec
 from crossfed.coordinator.service import Coordinator, CoordinatorError
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.resume import check_rerun, data_changes
@@ -83,6 +84,31 @@ def test_an_unset_outer_preset_is_average_for_a_new_run_and_the_runs_own_on_a_re
         old.init_run(replace(unset, outer=OuterConfig(preset="tuned")))
     assert "outer.preset: 'paper' -> 'tuned'" in changed.value.message
     assert Coordinator(tmp_path / "old").spec == paper
+
+
+def test_an_unset_second_moment_is_shared_for_a_new_run_and_own_for_a_run_stored_before(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    unset = tiny_spec(tiny_data, second_moment=None)
+    fresh = Coordinator(tmp_path / "fresh")
+    assert fresh.init_run(unset)["created"]
+    assert Coordinator(tmp_path / "fresh").spec.second_moment == moments.DEFAULT_MODE == "shared"
+    assert fresh.init_run(unset)["created"] is False
+
+    stored = tiny_spec(tiny_data).to_dict()
+    del stored["second_moment"]  # a run stored before the setting existed kept its own
+    assert RunSpec.from_dict(stored).second_moment == "own"
+    own = Coordinator(tmp_path / "own")
+    own.init_run(RunSpec.from_dict(stored))
+    reply = own.init_run(unset)  # today's default config: the run keeps each site's own
+    assert not reply["created"] and not reply["extended"]
+    assert Coordinator(tmp_path / "own").spec.second_moment == "own"
+    with pytest.raises(CoordinatorError) as changed:
+        own.init_run(replace(unset, second_moment="shared"))
+    assert "second_moment: 'own' -> 'shared'" in changed.value.message
+
+    with pytest.raises(RunSpecError, match="second_moment must be one of own, shared"):
+        RunSpec.from_dict({**stored, "second_moment": "averaged"})
 
 
 def test_a_run_recorded_before_outer_presets_reruns_unchanged(

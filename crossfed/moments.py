@@ -22,6 +22,7 @@ parameters included: those are collectives that every rank calls).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -85,6 +86,34 @@ def rescaled(v: Tensor, merged: Mapping[str, Tensor]) -> Tensor:
     own = approximation(factors(v), v.shape).to(v.device)
     ratio = target / own.clamp_min(_TINY)
     return torch.where(own > _TINY, v * ratio, target)
+
+
+def expected_shapes(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """The key and shape of every factor of a model whose parameters have ``shapes``."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        if len(shape) < 2:
+            out[factor_key(name, FULL)] = tuple(shape)
+        else:
+            out[factor_key(name, ROW)] = (shape[0],)
+            out[factor_key(name, COL)] = (math.prod(shape[1:]),)
+            out[factor_key(name, MEAN)] = ()
+    return out
+
+
+def problem(sent: Mapping[str, Tensor], shapes: Mapping[str, Sequence[int]]) -> str | None:
+    """What is wrong with a site's factors for a model of ``shapes`` (None: nothing): a key
+    the model has no factor for, a shape that is not the factor's, a value that is not
+    finite or is negative (a second moment is neither)."""
+    want = expected_shapes(shapes)
+    for key, value in sent.items():
+        if key not in want:
+            return f"{key!r} is no factor of this model's parameters"
+        if tuple(value.shape) != want[key]:
+            return f"{key!r} has shape {tuple(value.shape)}; expected {want[key]}"
+        if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+            return f"{key!r} holds a negative or non-finite value"
+    return None
 
 
 def merge(
