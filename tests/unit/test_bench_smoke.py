@@ -82,8 +82,15 @@ SMOKES = [
     Smoke(
         "bench/objectstore.py",
         "--flavour tiny --sites 1 --streams 1 --workdir {tmp}/objectstore",
-        ("api_bytes_file", "api_bytes_s3", "api_ratio", "target_met", "close_s_file",
-         "close_s_s3", "process_ratio"),
+        (
+            "api_bytes_file",
+            "api_bytes_s3",
+            "api_ratio",
+            "target_met",
+            "close_s_file",
+            "close_s_s3",
+            "process_ratio",
+        ),
     ),  # fmt: skip
     Smoke("bench/planner.py", "", ("plan_s", "target_s", "ratio")),
     Smoke(

@@ -106,8 +106,17 @@ def test_a_full_disk_refuses_with_507_keeps_what_it_had_and_recovers(
     sender = threading.Thread(
         target=lambda: replies.append(
             patient.submit_delta(
-                1, delta, inline=False, fresh=True, site="lumi", lease_id=lease["lease_id"],
-                generation=0, tokens=256, steps=4, consumed=lease["n_blocks"], loss=3.0,
+                1,
+                delta,
+                inline=False,
+                fresh=True,
+                site="lumi",
+                lease_id=lease["lease_id"],
+                generation=0,
+                tokens=256,
+                steps=4,
+                consumed=lease["n_blocks"],
+                loss=3.0,
             )  # fmt: skip
         )
     )
@@ -120,4 +129,3 @@ def test_a_full_disk_refuses_with_507_keeps_what_it_had_and_recovers(
     log = (live.state_dir / "coordinator.log").read_text()
     assert "status=507" in log and "status=500" not in log
     assert "Traceback" not in log
-
