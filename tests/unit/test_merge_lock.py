@@ -89,9 +89,9 @@ def test_the_merge_holds_the_lock_only_when_told_to(
     during: list[bool] = []
     write = coordinator._write_generation
 
-    def probing(generation, fill, *, momentum):  # noqa: ANN001, ANN202
+    def probing(generation, fill, **kwargs):  # noqa: ANN001, ANN003, ANN202
         during.append(lock_free(coordinator.lock))  # the merge is about to read and write
-        return write(generation, fill, momentum=momentum)
+        return write(generation, fill, **kwargs)
 
     coordinator._write_generation = probing  # type: ignore[method-assign]
     clock.now += 60.0  # past the join window
