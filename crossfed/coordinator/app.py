@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from crossfed.backoff import Backoff
 from crossfed.coordinator.blobs import BlobError, check_key
+from crossfed.coordinator.claims import DeltaClaim
 from crossfed.coordinator.guards import (
     AuthGate,
     BodyDeadline,
@@ -832,14 +833,14 @@ def _add_delta_routes(app: FastAPI, api: _Api) -> None:
         """Submit a delta by reference to its blob; with ``parts``, the blob's byte ranges
         (uploaded over several connections) are joined into it first, in the same request."""
         as_site(who, body.site)
-        fields = body.model_dump(exclude={"parts"})
+        claim = DeltaClaim(round_no=round_no, **body.model_dump(exclude={"parts"}))
         if body.parts:  # unless the caller's blob is whole already (a resent submission)
             api.file_backend()
             key = check_key(body.blob)
             mine = who == ADMIN or who in await run(coordinator.blob_holders, key)
             if not (mine and coordinator.blobs.exists(key)):
                 await api.compose(who, key, body.parts)
-        return await run(coordinator.submit, round_no=round_no, **fields, by=site_of(who))
+        return await run(coordinator.submit, claim, by=site_of(who))
 
     @app.post(
         "/v1/rounds/{round_no}/deltas/inline",
@@ -877,27 +878,14 @@ def _add_delta_routes(app: FastAPI, api: _Api) -> None:
             raise CoordinatorError(
                 422, "missing_digest", "inline deltas need an X-Content-Digest header"
             )
-        digest = check_key(digest)
-        fields = dict(
-            site=site,
-            lease_id=lease_id,
-            generation=generation,
-            tokens=tokens,
-            steps=steps,
-            consumed=consumed,
-        )
-        await run(coordinator.vet_delta, round_no=round_no, blob=digest, **fields)
-        await api.store_body(who, digest, request, 0, None)
-        return await run(
-            coordinator.submit,
-            round_no=round_no,
-            blob=digest,
-            loss=loss,
-            compute_s=compute_s,
-            idle_s=idle_s,
-            by=site_of(who),
-            **fields,
-        )
+        claim = DeltaClaim(
+            site=site, round_no=round_no, lease_id=lease_id, generation=generation,
+            tokens=tokens, steps=steps, consumed=consumed, blob=check_key(digest), loss=loss,
+            compute_s=compute_s, idle_s=idle_s,
+        )  # fmt: skip
+        await run(coordinator.vet_delta, claim)
+        await api.store_body(who, claim.blob, request, 0, None)
+        return await run(coordinator.submit, claim, by=site_of(who))
 
 
 def _with_run_spec_schema(app: FastAPI) -> None:

@@ -1,8 +1,9 @@
-"""The coordinator's intake: a delta vetted, its blob checked, its blocks committed.
+"""The coordinator's intake: a delta's claim vetted, its blob checked, its blocks committed.
 
-A delta is vetted against its lease before any byte of an inline body is kept; the blob's
-tensors are checked outside the lock; the commit of its blocks and its deltas row is one
-transaction. Also here: which site may see or submit which blob.
+A claim (:class:`~crossfed.coordinator.claims.DeltaClaim`) is vetted against its lease
+before any byte of an inline body is kept; the blob's tensors are checked outside the lock;
+the commit of its blocks and its deltas row is one transaction. Also here: which site may
+see or submit which blob.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError, check_key
+from crossfed.coordinator.claims import DeltaClaim
 from crossfed.coordinator.core import CoordinatorError, Core, lease_errors
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import Lease, LeaseError
@@ -21,31 +23,17 @@ from crossfed.outer import DeltaError, validate_delta
 from crossfed.wire.codecs import decoded, open_delta
 from crossfed.wire.tensors import TensorFile
 
-RESEND_FIELDS = ("site", "blob", "round_no", "generation", "tokens", "steps", "consumed")
-
 
 class Intake(Core):
     """Deltas in: vetting, blob checks and the commit; the blobs' holders."""
 
     def submit(
-        self,
-        *,
-        site: str,
-        round_no: int,
-        lease_id: int,
-        generation: int,
-        tokens: int,
-        steps: int,
-        consumed: int,
-        blob: str,
-        loss: float | None = None,
-        compute_s: float | None = None,
-        by: str | None = None,
-        idle_s: float | None = None,
+        self, claim: DeltaClaim | None = None, /, *, by: str | None = None, **fields: Any
     ) -> dict[str, Any]:
         """Accept a delta and commit its blocks in ONE transaction; idempotent per lease.
 
-        ``idle_s`` is how long the site held the lease waiting for the previous round's
+        ``claim`` is the delta, or ``fields`` are (a :class:`DeltaClaim`'s, as keywords).
+        Its ``idle_s`` is how long the site held the lease waiting for the previous round's
         merge (an overlapped round's early lease): left out of its pace (DARL's grant sizing).
 
         ``by`` is the site whose token sent it (None: the admin): a site may submit only a
@@ -53,12 +41,15 @@ class Intake(Core):
         Steps: the numbers, the blob's tensors (outside the lock), the lease and the claim
         (:meth:`_vet`), the blob's verdict, then the commit (:meth:`_record`).
         """
-        for name, value in (("loss", loss), ("compute_s", compute_s), ("idle_s", idle_s)):
+        claim = _claim_of(claim, fields)
+        for name in ("loss", "compute_s", "idle_s"):
+            value = getattr(claim, name)
             if value is not None and not math.isfinite(value):
                 raise CoordinatorError(422, "bad_number", f"{name} must be finite, got {value}")
+        blob = claim.blob
         checked, rejected = self._check_blob_unlocked(blob, by)
         with self.lock:
-            vetted = self._vet(site, round_no, lease_id, generation, tokens, steps, consumed, blob)
+            vetted = self._vet(claim)
             if isinstance(vetted, dict):
                 return vetted  # the same delta again
             if not self._blob_stored(blob, by) or not self._may_use_blob(by, blob):
@@ -67,68 +58,37 @@ class Intake(Core):
                 self._validate_stored(blob, by)
             if rejected is not None:
                 raise rejected
-            delta = {
-                "lease_id": lease_id,
-                "round_no": round_no,
-                "site": site,
-                "generation": generation,
-                "tokens": tokens,
-                "steps": steps,
-                "consumed": consumed,
-                "blob": blob,
-                "loss": loss,
-                "compute_s": compute_s,
-            }
-            result = self._record(vetted, delta, idle_s or 0.0)
+            result = self._record(vetted, claim)
             return {
                 "accepted": True,
                 "already": False,
-                "round": round_no,
+                "round": claim.round_no,
                 "committed": result.committed,
                 "returned": result.returned,
             }
 
-    def vet_delta(
-        self,
-        *,
-        site: str,
-        round_no: int,
-        lease_id: int,
-        generation: int,
-        tokens: int,
-        steps: int,
-        consumed: int,
-        blob: str,
-    ) -> None:
+    def vet_delta(self, claim: DeltaClaim | None = None, /, **fields: Any) -> None:
         """Every check of :meth:`submit` that needs not the blob's bytes, made before an
         inline body is stored: a delta refused here is refused before its first byte is kept."""
+        claim = _claim_of(claim, fields)
         with self.lock:
-            self._vet(site, round_no, lease_id, generation, tokens, steps, consumed, blob)
+            self._vet(claim)
 
-    def _vet(
-        self,
-        site: str,
-        round_no: int,
-        lease_id: int,
-        generation: int,
-        tokens: int,
-        steps: int,
-        consumed: int,
-        blob: str,
-    ) -> Lease | dict[str, Any]:
+    def _vet(self, claim: DeltaClaim) -> Lease | dict[str, Any]:
         """The lease behind a delta, checked (owner, round, generation, progress, claim), or
         the answer to a resend of an accepted delta. Refusals change nothing, except that a
         stale delta's lease is released (its blocks return to the pool). A delta for a round
         other than its lease's (``wrong_round``) or for a round not open yet, an early
         lease's (``round_not_open``), leaves the lease as it was. Holds the lock."""
+        site, lease_id, round_no = claim.site, claim.lease_id, claim.round_no
+        generation = claim.generation
         self._check_site(site)
         assert self.book is not None
         previous = store.delta_of_lease(self.conn, lease_id)
         if previous is not None:
             # a resend after a crash repeats the checkpointed request exactly; anything
             # else on a used lease is a forged or altered replay and changes nothing
-            sent = (site, blob, round_no, generation, tokens, steps, consumed)
-            if sent != tuple(previous[k] for k in RESEND_FIELDS):
+            if not claim.repeats(previous):
                 raise CoordinatorError(
                     409, "lease_used", f"lease {lease_id} already carried a different delta"
                 )
@@ -172,18 +132,19 @@ class Intake(Core):
                 f"round is {current['round_no']} at generation {current['generation']}: "
                 "rejected, its blocks return to the pool",
             )
-        if tokens < 1 or steps < 1:
+        if claim.tokens < 1 or claim.steps < 1:
             raise CoordinatorError(422, "bad_counts", "tokens and steps must be >= 1")
-        if not 1 <= consumed <= lease.end - lease.start:
+        if not 1 <= claim.consumed <= lease.end - lease.start:
             raise CoordinatorError(
                 422,
                 "bad_progress",
-                f"consumed={consumed} outside 1..{lease.end - lease.start} for lease {lease_id}",
+                f"consumed={claim.consumed} outside 1..{lease.end - lease.start} "
+                f"for lease {lease_id}",
             )
-        self._check_claim(lease, tokens, steps, consumed)
+        self._check_claim(lease, claim)
         return lease
 
-    def _check_claim(self, lease: Lease, tokens: int, steps: int, consumed: int) -> None:
+    def _check_claim(self, lease: Lease, claim: DeltaClaim) -> None:
         """Tokens and steps no larger than the committed blocks hold: a site trains each
         window once (``seq_len`` tokens of it are predicted) and every inner step trains at
         least one window on each of the ranks the site leased with. The token count is a
@@ -191,6 +152,7 @@ class Intake(Core):
         inflated claim is refused, never capped."""
         spec = self._require_run()
         assert self.space is not None
+        tokens, steps, consumed = claim.tokens, claim.steps, claim.consumed
         windows = claim_windows(self.space, lease, consumed)
         limit = windows * spec.seq_len
         if tokens > limit:
@@ -236,13 +198,14 @@ class Intake(Core):
             return True, exc
         return True, None
 
-    def _record(self, lease: Lease, delta: dict[str, Any], idle_s: float = 0.0) -> Any:
-        """Commit the lease's first ``consumed`` blocks and record ``delta`` (the deltas row
-        without its time) in one transaction; the next epoch starts when this one is done.
-        Holds the lock; returns the lease book's commit result."""
+    def _record(self, lease: Lease, claim: DeltaClaim) -> Any:
+        """Commit the lease's first ``consumed`` blocks and record the claim's deltas row in
+        one transaction; the next epoch starts when this one is done. Holds the lock;
+        returns the lease book's commit result."""
         assert self.book is not None and self.space is not None
         now = self.clock()
-        site, lease_id, consumed = delta["site"], delta["lease_id"], delta["consumed"]
+        site, lease_id, consumed = claim.site, claim.lease_id, claim.consumed
+        idle_s = claim.idle_s or 0.0
         self._phase_blocks.pop(lease_id, None)  # committed: no more heartbeats to rate
         try:
             with lease_errors(409), self._mutation():
@@ -250,7 +213,7 @@ class Intake(Core):
                 result = self._event("commit", {**args, "idle_s": idle_s} if idle_s else args)
                 blocks = self.space.permutation(lease.epoch)[lease.start : lease.start + consumed]
                 self.ledger.record_commit_blocks(lease.epoch, site, lease_id, blocks.tolist())
-                store.add_delta(self.conn, **delta, accepted_at=now)
+                store.add_delta(self.conn, **claim.row(), accepted_at=now)
                 if self.book.epoch_complete():
                     self._event("next_epoch", {"now": now})
         except LedgerError as exc:
@@ -360,3 +323,12 @@ def claim_windows(space: BlockSpace, lease: Lease, consumed: int) -> int:
     last = space.n_blocks - 1
     short = space.block_size - len(space.block_windows(last))
     return consumed * space.block_size - (short if bool((blocks == last).any()) else 0)
+
+
+def _claim_of(claim: DeltaClaim | None, fields: dict[str, Any]) -> DeltaClaim:
+    """``claim``, or the claim that a caller's keywords spell out."""
+    if claim is None:
+        return DeltaClaim(**fields)
+    if fields:
+        raise TypeError(f"a claim and its fields both given: {sorted(fields)}")
+    return claim
