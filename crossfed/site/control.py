@@ -22,6 +22,7 @@ from crossfed.fileio import keep_global_model
 from crossfed.progress import site_prefix
 from crossfed.site.records import Cursor, PendingDelta, RoundOutcome, SiteSettings
 from crossfed.train import checkpoint
+from crossfed.wire.digests import digest_file
 
 log = logging.getLogger("crossfed.site")
 
@@ -283,21 +284,10 @@ class Control:
         inline = size <= self.s.inline_max_bytes
         t0 = time.perf_counter()
         try:
+            # a pending record kept before deltas were hashed as written has no key
+            claim = pending.claim(self.site, pending.key or digest_file(path))
             reply = self.client.submit_delta(
-                pending.round,
-                path,
-                inline=inline,
-                key=pending.key,
-                fresh=fresh,
-                site=self.site,
-                lease_id=pending.lease_id,
-                generation=pending.generation,
-                tokens=pending.tokens,
-                steps=pending.steps,
-                consumed=pending.consumed,
-                loss=pending.loss,
-                compute_s=pending.compute_s,
-                idle_s=pending.idle_s or None,
+                claim.round_no, path, inline=inline, key=claim.blob, fresh=fresh, **claim.sent()
             )
         except Refused as exc:
             if exc.status >= 500 or exc.status in (401, 403):

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from crossfed.coordinator.claims import DeltaClaim
 from crossfed.fileio import INLINE_MAX_BYTES
 from crossfed.train.distributed import ParallelConfig
 from crossfed.train.inner import InnerConfig, PhaseState
@@ -139,6 +140,14 @@ class PendingDelta:
     key: str | None  # its digest, computed while it was written
     residual: str | None  # the residual it leaves (error feedback)
     idle_s: float | None = None  # held waiting for a merge (overlapped rounds), not working
+
+    def claim(self, site: str, blob: str) -> DeltaClaim:
+        """What the coordinator is sent for it: ``site``'s claim, ``blob`` its digest."""
+        return DeltaClaim(
+            site=site, round_no=self.round, lease_id=self.lease_id, generation=self.generation,
+            tokens=self.tokens, steps=self.steps, consumed=self.consumed, blob=blob,
+            loss=self.loss, compute_s=self.compute_s, idle_s=self.idle_s or None,
+        )  # fmt: skip
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
