@@ -25,6 +25,8 @@ from torchtitan.models.qwen3 import (
     qwen3_configs,
 )
 
+from crossfed.moments import is_moment_key
+
 
 class ModelConfigError(ValueError):
     """An unknown flavour or an impossible model setting."""
@@ -226,10 +228,12 @@ def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def matching_parameters(
     model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The model's parameters, after checking ``tensors`` has exactly their names and shapes."""
+    """The model's parameters, after checking ``tensors`` has exactly their names and shapes
+    (a global model's second-moment factors, :mod:`crossfed.moments`, are not parameters)."""
     params = parameters_of(model)
-    missing = sorted(set(params) - set(tensors))
-    extra = sorted(set(tensors) - set(params))
+    names = {name for name in tensors if not is_moment_key(name)}
+    missing = sorted(set(params) - names)
+    extra = sorted(names - set(params))
     if missing or extra:
         raise ModelConfigError(
             f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}"
