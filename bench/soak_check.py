@@ -53,6 +53,8 @@ import numpy as np
 
 TOLERANCE = 1e-6
 MOMENTUM_PREFIX = "momentum::"
+#: the sites' second-moment factors, in delta files and (averaged) in global models
+MOMENTS_PREFIX = "moments::"
 PERMUTATION_VERSION = "crossfed.darl.blockspace/v1:splitmix64+lemire64+durstenfeld"
 DELTA_ENCODINGS = ("none", "int8", "int4")
 MAX_PROBLEMS = 200
@@ -160,7 +162,8 @@ class DeltaBlob:
             )
         default_block = 64 if self.encoding == "int4" else 256
         self.block = int(meta.get("crossfed.block", default_block))
-        stored = self.file.names()
+        self.factors = [n for n in self.file.names() if n.startswith(MOMENTS_PREFIX)]
+        stored = [n for n in self.file.names() if not n.startswith(MOMENTS_PREFIX)]
         if self.encoding == "none":
             self.params = stored
         else:
@@ -841,7 +844,8 @@ def _check_final_global(report: Report, state_dir: Path, generation: int) -> Non
         return  # a generation's global model may be pruned by --keep-models; the master stays
     master, published = SafetensorsFile(master_path), SafetensorsFile(global_path)
     names = [n for n in master.names() if not n.startswith(MOMENTUM_PREFIX)]
-    if sorted(names) != sorted(published.names()):
+    model_names = [n for n in published.names() if not n.startswith(MOMENTS_PREFIX)]
+    if sorted(names) != sorted(model_names):
         report.problem(f"{global_path.name} and {master_path.name} hold different tensors")
         return
     differing = sum(int((to_bf16(master.read(n)) != published.read(n)).sum()) for n in names)
@@ -849,6 +853,36 @@ def _check_final_global(report: Report, state_dir: Path, generation: int) -> Non
         report.problem(
             f"{global_path.name}: {differing} values are not its master's, rounded to bf16"
         )
+
+
+def _check_factors(
+    report: Report, model: SafetensorsFile, parts: list, shares: list[float], spec: dict
+) -> None:
+    """The last global model's second-moment factors: under ``second_moment: shared`` the
+    token-weighted mean of its round's deltas' factors (those that carry them), else none."""
+    published = [n for n in model.names() if n.startswith(MOMENTS_PREFIX)]
+    if spec.get("second_moment", "own") != "shared":
+        if published:
+            report.problem(f"a run without shared second moments published {len(published)} "
+                           "second-moment factors")  # fmt: skip
+        return
+    carried = [(p, w) for p, w in zip(parts, shares, strict=True) if p.factors]
+    want = sorted({n for p, _ in carried for n in p.factors})
+    if sorted(published) != want:
+        report.problem(f"the last global model holds {len(published)} second-moment factors, "
+                       f"its round's deltas {len(want)}")  # fmt: skip
+        return
+    worst = 0.0
+    for name in want:
+        holders = [(p, w) for p, w in carried if name in p.factors]
+        total = sum(w for _, w in holders)
+        mean = sum(p.file.read(name).astype(np.float64) * (w / total) for p, w in holders)
+        got = model.read(name).astype(np.float64)
+        worst = max(worst, float(np.max(np.abs(got - mean) / (np.abs(mean) + 1e-30), initial=0)))
+    report.figures["factors_max_rel_error"] = worst
+    if worst > 1e-5:
+        report.problem(f"the last global model's second-moment factors are {worst:.2e} (relative) "
+                       "from the token-weighted mean of its round's deltas' factors")  # fmt: skip
 
 
 def _rebuild(
@@ -906,6 +940,8 @@ def _rebuild(
         shares = [n / sum(tokens) for n in tokens]
         eta, beta = outer_rate(spec["outer"], shares)
         plan.append(([blobs[d["blob"]] for d in mine if d["tokens"] > 0], shares, eta, beta))
+    if model is not None:
+        _check_factors(report, model, plan[-1][0], plan[-1][1], spec)
     weight_error = momentum_error = model_error = 0.0
     try:
         for name in names:

@@ -265,6 +265,28 @@ def test_perturbed_final_model_is_caught(campaign: Campaign, state: Path, tmp_pa
     assert result["ok"] is False
 
 
+def test_final_second_moment_factors_are_the_token_weighted_mean_or_caught(
+    campaign: Campaign, state: Path, tmp_path: Path
+) -> None:
+    """The run shares second moments (a new run's default): the last global model's
+    factors are checked against its round's deltas' factors, and a changed one is caught."""
+    assert check(campaign.state, campaign.model)["factors_max_rel_error"] <= 1e-5
+    model = Path(shutil.copy(campaign.model, tmp_path / "final.safetensors"))
+    raw = bytearray(model.read_bytes())
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    name = next(n for n in header if n.startswith("moments::") and header[n]["shape"])
+    assert header[name]["dtype"] == "F32"
+    at = 8 + size + header[name]["data_offsets"][0]
+    (value,) = struct.unpack("<f", raw[at : at + 4])
+    raw[at : at + 4] = struct.pack("<f", value * 1.5)
+    model.write_bytes(bytes(raw))
+    result = check(state, model)
+    assert result["factors_max_rel_error"] > 0.1
+    assert any("second-moment factors" in p for p in result["problems"])
+    assert result["ok"] is False
+
+
 def test_commit_moved_to_next_round_is_caught(state: Path) -> None:
     delta = merged_delta(state, 2)
     execute(state, "UPDATE deltas SET round_no = 3 WHERE lease_id = ?", delta["lease_id"])
