@@ -441,9 +441,11 @@ def worker(args: argparse.Namespace) -> int:
             sending.add(round_no)
             continue
         record(outcome)
-        if outcome.status == "accepted":
+        if outcome.status in ("accepted", "missed"):
+            # as run_chain: a round missed (closed, or already contributed to by this site
+            # before a restart) is not asked for again
             done.add(outcome.round)
-        else:
+        if outcome.status != "accepted":
             time.sleep(0.5)
     try:
         for outcome in runner.finish():

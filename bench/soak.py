@@ -549,6 +549,7 @@ def run_soak(root: Path, config: SoakConfig, data: Path) -> dict[str, Any]:
     rng = random.Random(config.seed + 1)
     plan = fault_plan(config, rng)
     model = root / f"global-{config.rounds:06d}.safetensors"
+    finished = False
     try:
         soak.start_coordinator()
         for proxy in proxies.values():
@@ -586,6 +587,7 @@ def run_soak(root: Path, config: SoakConfig, data: Path) -> dict[str, Any]:
         admin = CoordinatorClient(f"http://{HOST}:{port}", secrets["admin"], retry_budget_s=30)
         admin.download_model(config.rounds, model)
         admin.close()
+        finished = True
     finally:
         for proc in soak.workers.values():
             kill(proc)
@@ -593,6 +595,8 @@ def run_soak(root: Path, config: SoakConfig, data: Path) -> dict[str, Any]:
             kill(soak.coordinator, signal.SIGTERM)
         for proxy in proxies.values():
             proxy.stop()
+        if not finished:  # a failed soak leaves no tmpfs mounted behind it
+            disk.unmount()
     try:
         return {**judge(soak, began_at, wall_s, model), "run_dir": str(root)}
     finally:
