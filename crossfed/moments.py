@@ -139,17 +139,32 @@ def _full(value: Tensor) -> Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def bias_correction(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> float:
+    """AdamW's ``1 - beta2^step`` for ``param``: its raw ``exp_avg_sq`` over this is the
+    second moment the steps use. Sites that took different numbers of steps (a probe
+    round, paced leases) hold raw moments biased by different factors, so what they share
+    is the corrected one."""
+    state = optimizer.state[param]
+    beta2 = next(
+        g["betas"][1] for g in optimizer.param_groups if any(p is param for p in g["params"])
+    )
+    step = float(state["step"])
+    return 1.0 - beta2**step
+
+
 def state_factors(
     params: Mapping[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
 ) -> dict[str, Tensor]:
-    """The factors of every parameter's AdamW ``exp_avg_sq``, keyed for a file (on CPU).
-    A collective when parameters are sharded: every rank calls it, in the same order."""
+    """The factors of every parameter's bias-corrected AdamW second moment (``exp_avg_sq``
+    over :func:`bias_correction`), keyed for a file (on CPU). A collective when parameters
+    are sharded: every rank calls it, in the same order."""
     out: dict[str, Tensor] = {}
     for name, param in params.items():
         state = optimizer.state.get(param, {})
         if "exp_avg_sq" not in state:
             continue
-        for part, value in factors(_full(state["exp_avg_sq"])).items():
+        corrected = _full(state["exp_avg_sq"]).float() / bias_correction(optimizer, param)
+        for part, value in factors(corrected).items():
             out[factor_key(name, part)] = value.cpu()
     return out
 
@@ -160,9 +175,10 @@ def adopt(
     optimizer: torch.optim.Optimizer,
     merged: Mapping[str, Tensor],
 ) -> int:
-    """Rescale every parameter's ``exp_avg_sq`` to the merged factors; returns how many
-    parameters changed. Parameters without state or without merged factors keep theirs.
-    A collective when parameters are sharded: every rank calls it with the same ``merged``."""
+    """Rescale every parameter's bias-corrected ``exp_avg_sq`` to the merged factors (and
+    bias it again by its own step count); returns how many parameters changed. Parameters
+    without state or without merged factors keep theirs. A collective when parameters are
+    sharded: every rank calls it with the same ``merged``."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     changed = 0
@@ -174,7 +190,8 @@ def adopt(
         if parts is None:
             continue
         v = state["exp_avg_sq"]
-        new = rescaled(_full(v), parts)
+        correction = bias_correction(optimizer, param)
+        new = rescaled(_full(v).float() / correction, parts) * correction
         if isinstance(v, DTensor):
             local = distribute_tensor(new.to(v.device), v.device_mesh, v.placements)
             v.to_local().copy_(local.to_local())

@@ -128,7 +128,10 @@ def test_an_optimisers_factors_and_their_adoption(tmp_path: Path) -> None:
     before = optimizers[0].state[named[0]["weight"]]["exp_avg_sq"].clone()
     assert moments.adopt(named[0], optimizers[0], merged) == 2
     after = optimizers[0].state[named[0]["weight"]]["exp_avg_sq"]
-    torch.testing.assert_close(after, moments.rescaled(before, moments._parts_of(merged, "weight")))
+    correction = 1 - 0.999  # one step at AdamW's default beta2: the raw moment's bias
+    assert moments.bias_correction(optimizers[0], named[0]["weight"]) == pytest.approx(correction)
+    parts = moments._parts_of(merged, "weight")
+    torch.testing.assert_close(after, moments.rescaled(before / correction, parts) * correction)
     assert not torch.equal(after, before)
     fresh = torch.optim.AdamW(layers[1].parameters())  # no state yet: nothing to rescale
     assert moments.adopt(named[1], fresh, merged) == 0
@@ -200,3 +203,28 @@ def test_a_merge_publishes_the_token_weighted_factors_with_the_global_model(
     assert set(factors) == set(lumi)
     for key, value in factors.items():  # frontier's 500 tokens are not in the weights
         torch.testing.assert_close(value, (lumi[key] * 300 + snellius[key] * 100) / 400)
+
+
+def test_sites_that_took_different_numbers_of_steps_share_the_corrected_moment() -> None:
+    """Two sites see the same gradient every step, one for 3 steps, one for 30: their raw
+    second moments differ by AdamW's bias (1 - beta2^t), the moments their steps use do
+    not, so sharing leaves both as they were (a mean of the raw ones would not)."""
+    layers = [torch.nn.Linear(5, 3) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    optimizers = [torch.optim.AdamW(x.parameters(), lr=0.0, betas=(0.9, 0.95)) for x in layers]
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(3))
+    for layer, opt, steps in zip(layers, optimizers, (3, 30), strict=True):
+        for _ in range(steps):
+            opt.zero_grad()
+            layer(x).pow(2).sum().backward()
+            opt.step()
+    named = [dict(x.named_parameters()) for x in layers]
+    raw = [
+        o.state[p["weight"]]["exp_avg_sq"].clone() for o, p in zip(optimizers, named, strict=True)
+    ]
+    assert not torch.allclose(raw[0], raw[1], rtol=0.1)  # biased by different factors
+    sent = [moments.state_factors(p, o) for p, o in zip(named, optimizers, strict=True)]
+    merged = moments.merge(sent, [1, 1])
+    for p, o, before in zip(named, optimizers, raw, strict=True):
+        moments.adopt(p, o, merged)
+        torch.testing.assert_close(o.state[p["weight"]]["exp_avg_sq"], before, rtol=1e-4, atol=0)
