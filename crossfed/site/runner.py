@@ -250,7 +250,8 @@ class SiteRunner:
         usable = prev is not None and round_no == inflight.round + 1 and self._sent is not None
         taken = None
         if ask is not None:
-            if usable and ask.round_no == round_no:
+            # a plan that changed the accumulation since the ask changes the phase's blocks
+            if usable and ask.round_no == round_no and ask.want == self._lease_want():
                 taken = ask.take()
             else:
                 ask.drop()
