@@ -88,7 +88,7 @@ class EarlyAsk:
     after this phase's checkpoint, which may outlast the lease's TTL."""
 
     def __init__(self, control: Control, round_no: int, want: int, rtt: float) -> None:
-        self.control, self.round_no, self.want = control, round_no, want
+        self.control, self.round_no = control, round_no
         self.granted: tuple[dict, int] | None = None
         self.beat: Heartbeat | None = None
         self.error: BaseException | None = None

@@ -250,8 +250,7 @@ class SiteRunner:
         usable = prev is not None and round_no == inflight.round + 1 and self._sent is not None
         taken = None
         if ask is not None:
-            # a plan that changed the accumulation since the ask changes the phase's blocks
-            if usable and ask.round_no == round_no and ask.want == self._lease_want():
+            if usable and ask.round_no == round_no:
                 taken = ask.take()
             else:
                 ask.drop()
