@@ -289,13 +289,12 @@ class SiteRunner:
         """Rank 0, after each step: once the next step is the phase's last, ask the next
         round's early lease in the background (overlapped rounds; not after the run's last
         round, nor in a job about to stop for its walltime)."""
-        last = min((r for r in (self.s.rounds, self.through_round) if r), default=None)
         if (
             self._ask is not None
             or self.control is None
             or not self.overlapped
             or windows_left > self.s.inner.windows_per_step
-            or (last is not None and round_no >= last)
+            or round_no >= min(self.s.rounds, self.through_round or self.s.rounds)
             or out_of_time(self.s.stop_training_at, 60.0)
         ):
             return
