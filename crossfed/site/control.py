@@ -47,8 +47,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{site}", daemon=True)
 
     def __enter__(self) -> Heartbeat:
-        if not self._thread.is_alive() and not self._stop.is_set():  # once: a beat started
-            self._thread.start()  # for an early lease is entered again by its phase
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -79,56 +78,6 @@ class Heartbeat:
                     self.allowed_blocks - shrunk,
                 )
             self.allowed_blocks = shrunk
-
-
-class EarlyAsk:
-    """The next round's early lease, asked in the background while a phase's last step
-    trains, so that an overlapped site does not wait a round trip for it once the phase
-    ends. A granted lease's heartbeat starts at once: the phase that trains it begins only
-    after this phase's checkpoint, which may outlast the lease's TTL."""
-
-    def __init__(self, control: Control, round_no: int, want: int, rtt: float) -> None:
-        self.control, self.round_no = control, round_no
-        self.granted: tuple[dict, int] | None = None
-        self.beat: Heartbeat | None = None
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(want, rtt), name=f"early-{control.site}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, want: int, rtt: float) -> None:
-        try:
-            self.granted = self.control.early_lease(self.round_no, want, rtt)
-            if self.granted is not None:
-                self.beat = self.control.heartbeat(self.granted[0]).__enter__()
-        except BaseException as exc:  # raised by take() in the training thread
-            self.error = exc
-        finally:
-            self._done.set()
-
-    def take(self) -> tuple[dict, int, Heartbeat] | None:
-        """The granted lease, its global step and its running heartbeat (None: no lease)."""
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
-        if self.granted is None or self.beat is None:
-            return None
-        return self.granted[0], self.granted[1], self.beat
-
-    def drop(self) -> None:
-        """Not used after all (the phase ended otherwise, the job ends): its blocks go back
-        to the pool now rather than at its TTL's end."""
-        self._done.wait()
-        if self.beat is not None:
-            self.beat.__exit__(None, None, None)
-        if self.granted is not None:
-            try:
-                self.control.release(self.granted[0]["lease_id"])
-            except Exception as exc:  # the TTL returns them instead
-                log.warning("%s releasing an unused early lease: %s",
-                            site_prefix(self.control.site), exc)  # fmt: skip
 
 
 class FollowerBeat:

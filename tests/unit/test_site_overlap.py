@@ -15,7 +15,6 @@ from crossfed.config import load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.report import goodput
 from crossfed.site import SiteRunner
-from crossfed.site.control import EarlyAsk
 from crossfed.site.job import site_settings
 from crossfed.site.loop import ChainSettings, run_chain
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
@@ -59,13 +58,12 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     sites = load_sites(config)
     outcomes: dict[str, dict[int, object]] = {"snellius": {}, "frontier": {}}
     chains: dict[str, object] = {}
-    runners: dict[str, SiteRunner] = {}
     errors: list[BaseException] = []
 
     def site_loop(name: str, gate: threading.Event | None = None) -> None:
         try:
             client = coordinator.client(name)
-            runner = runners[name] = SiteRunner(site_settings(config, name, sites[name]), client)
+            runner = SiteRunner(site_settings(config, name, sites[name]), client)
             if gate is not None:  # frontier trains round 1 only once snellius is a round ahead
                 assert gate.wait(300), "snellius never took an early lease of round 2"
             chains[name] = run_chain(
@@ -110,9 +108,6 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     # there, folded the merged model in after step 1 and trained the other three from it
     assert ahead.merge_wait_s > 0 and ahead.fold_step == 1 and ahead.steps == 4
     assert ahead.generation == client.round_info(2)["generation"]  # measured against g+1
-    # snellius asked its early leases during the last step of the phase before, not after
-    # it (rounds 2 and 3; none past the chain's last round, so none went back unused)
-    assert runners["snellius"].early_asks_taken == 2
     for round_no in range(1, ROUNDS + 1):
         deltas = client.round_info(round_no)["deltas"]
         assert sorted(d["site"] for d in deltas) == ["frontier", "snellius"]
@@ -125,25 +120,3 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     jobs = [chain.to_dict() for chain in chains.values()]  # type: ignore[attr-defined]
     run_goodput = goodput(jobs)
     assert run_goodput is not None and 0 < run_goodput < 1
-
-
-def test_an_early_lease_asked_but_not_trained_goes_back_to_the_pool_at_once(
-    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
-) -> None:
-    spec = tiny_spec(tiny_data, leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0))
-    coordinator.client().init_run(spec.to_dict())
-    config = overlap_config(tmp_path, coordinator, tiny_data)
-    sites = load_sites(config)
-    runner = SiteRunner(site_settings(config, "lumi", sites["lumi"]), coordinator.client("lumi"))
-    assert runner.control is not None
-    runner.control.join(1)
-    ask = EarlyAsk(runner.control, 2, 2, 1.0)  # round 2 while round 1 is open: early
-    taken = ask.take()
-    assert taken is not None and taken[0]["n_blocks"] >= 1
-    assert early_lease_of(coordinator, "lumi", 2)
-    time.sleep(1.0)  # its heartbeat runs from the grant on: the lease stays alive
-    assert taken[2].lost is None
-    ask.drop()  # the phase that would train it never starts (the job ends)
-    assert not early_lease_of(coordinator, "lumi", 2)
-    row = {r["site"]: r for r in coordinator.client().ledger()}["lumi"]
-    assert row["blocks_lost"] == taken[0]["n_blocks"]  # released, not left to its TTL
