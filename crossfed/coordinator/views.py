@@ -7,6 +7,9 @@ without a server.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,31 +131,20 @@ def _ledger_records(conn: Any, ledger: LedgerStore, book: LeaseBook) -> list[dic
     return json.loads(frame.to_json(orient="records"))
 
 
-def read_ledger(state_dir: Path) -> list[dict[str, Any]]:
-    """Table 3 straight from a coordinator's state directory (no server needed)."""
-    path = state_dir / "state.sqlite"
-    if not path.exists():
-        raise CoordinatorError(404, "no_state", f"no coordinator state at {path}")
-    conn = store.connect(path)
-    try:
-        spec = store.get_meta(conn, "spec")
-        if spec is None:
-            raise CoordinatorError(409, "no_run", f"{path} holds no run")
-        run = RunSpec.from_dict(spec)
-        book = LeaseBook(BlockSpace(run.n_windows, run.block_size, run.data_seed).n_blocks)
-        ledger = LedgerStore(conn)
-        ledger.replay(book)
-        return _ledger_records(conn, ledger, book)
-    finally:
-        conn.close()
+@dataclass
+class _StoredRun:
+    """A coordinator's state directory, opened to read: its run, block space and the lease
+    book its ledger replays to."""
+
+    conn: Any
+    run: RunSpec
+    space: BlockSpace
+    book: LeaseBook
+    ledger: LedgerStore
 
 
-def read_status(state_dir: Path) -> dict[str, Any]:
-    """What ``GET /v1/status`` answers, straight from a state directory (no server needed).
-
-    Leases are as the ledger last recorded them: a stopped run's in-flight leases show with
-    their old expiry times. Opens the database only to read it.
-    """
+@contextmanager
+def _stored_run(state_dir: Path) -> Iterator[_StoredRun]:
     path = state_dir / "state.sqlite"
     if not path.exists():
         raise CoordinatorError(404, "no_state", f"no coordinator state at {path}")
@@ -164,9 +156,29 @@ def read_status(state_dir: Path) -> dict[str, Any]:
         run = RunSpec.from_dict(spec)
         space = BlockSpace(run.n_windows, run.block_size, run.data_seed)
         book = LeaseBook(space.n_blocks)
-        LedgerStore(conn).replay(book)
+        ledger = LedgerStore(conn)
+        ledger.replay(book)
+        yield _StoredRun(conn, run, space, book, ledger)
+    finally:
+        conn.close()
+
+
+def read_ledger(state_dir: Path) -> list[dict[str, Any]]:
+    """Table 3 straight from a coordinator's state directory (no server needed)."""
+    with _stored_run(state_dir) as stored:
+        return _ledger_records(stored.conn, stored.ledger, stored.book)
+
+
+def read_status(state_dir: Path) -> dict[str, Any]:
+    """What ``GET /v1/status`` answers, straight from a state directory (no server needed).
+
+    Leases are as the ledger last recorded them: a stopped run's in-flight leases show with
+    their old expiry times. Opens the database only to read it.
+    """
+    with _stored_run(state_dir) as stored:
+        conn, run, space, book = stored.conn, stored.run, stored.space, stored.book
         current = store.current_round(conn)
-        assert current is not None, f"{path}: a run always has an open round"
+        assert current is not None, f"{state_dir}: a run always has an open round"
         leases = []
         for lease in book.active_leases():
             leases.append(
@@ -195,5 +207,3 @@ def read_status(state_dir: Path) -> dict[str, Any]:
             "schedule": run.to_dict()["schedule"],
             "active_leases": leases,
         }
-    finally:
-        conn.close()
