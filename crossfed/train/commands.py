@@ -17,7 +17,6 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
     from crossfed.coordinator.embedded import client_for
     from crossfed.data.windows import WindowStore
-    from crossfed.moments import without_moments
     from crossfed.train.distributed import DistributedError, resolve_device
     from crossfed.train.inner import evaluate
     from crossfed.train.model import build_model, load_parameters
@@ -34,7 +33,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     download_s = time.perf_counter() - t0
     val = WindowStore.open(Path(config["data"]["dir"]), "val")
     model = build_model(config["model"]["flavour"], vocab_size=val.vocab_size, device=device)
-    load_parameters(model, without_moments(load_file(str(path), device=device)))
+    load_parameters(model, load_file(str(path), device=device))
     t1 = time.perf_counter()
     loss, ppl = evaluate(
         model,
