@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -83,6 +85,10 @@ STREAM_MIN_BYTES = 16 << 20
 KEEPALIVE_S = 60.0
 #: the longest one status request waits for a round to close (a long poll)
 STATUS_WAIT_S = 20.0
+#: how many of the latest short requests' round trips a site's RTT is taken from, and for
+#: how long one counts: a site that heartbeats measures its RTT without asking more
+RTT_SAMPLES = 8
+RTT_FRESH_S = 120.0
 
 
 class CoordinatorClient:
@@ -126,6 +132,9 @@ class CoordinatorClient:
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
         )
         self._backend = blobs
+        #: (when, milliseconds) of the latest short requests answered (health, register,
+        #: lease, heartbeat, release): requests the coordinator answers at once
+        self._round_trips: deque[tuple[float, float]] = deque(maxlen=RTT_SAMPLES)
 
     def close(self) -> None:
         self.http.close()
@@ -170,17 +179,26 @@ class CoordinatorClient:
             if not backoff.wait():
                 raise Unreachable(f"{method} {self.url}{path}: {error}") from error
 
-    def get(self, path: str, **kwargs: Any) -> Any:
-        return self._request("GET", path, retry_status=JSON_RETRY_STATUS, **kwargs).json()
+    def get(self, path: str, *, round_trip: bool = False, **kwargs: Any) -> Any:
+        """A JSON GET; ``round_trip``: a short request whose time counts as an RTT sample."""
+        response = self._request("GET", path, retry_status=JSON_RETRY_STATUS, **kwargs)
+        if round_trip:
+            self._note_round_trip(response)
+        return response.json()
 
-    def post(self, path: str, body: Any = None, **kwargs: Any) -> Any:
-        return self._request(
-            "POST", path, json=body, retry_status=JSON_RETRY_STATUS, **kwargs
-        ).json()
+    def post(self, path: str, body: Any = None, *, round_trip: bool = False, **kwargs: Any) -> Any:
+        """A JSON POST; ``round_trip`` as for :meth:`get`."""
+        response = self._request("POST", path, json=body, retry_status=JSON_RETRY_STATUS, **kwargs)
+        if round_trip:
+            self._note_round_trip(response)
+        return response.json()
+
+    def _note_round_trip(self, response: httpx.Response) -> None:
+        self._round_trips.append((time.monotonic(), response.elapsed.total_seconds() * 1000.0))
 
     # --- protocol
     def health(self) -> dict[str, Any]:
-        return self.get("/v1/health")
+        return self.get("/v1/health", round_trip=True)
 
     @property
     def backend(self) -> str:
@@ -205,16 +223,20 @@ class CoordinatorClient:
             return on_s3()
 
     def rtt_ms(self, samples: int = 3) -> float:
-        """Median round trip of the health check, in milliseconds (its answer names the
-        blob backend too, so a site that measures its RTT asks no more for that)."""
-        times = []
+        """The site's round trip to the coordinator, in milliseconds: the median of the
+        latest short requests when at least ``samples`` were answered in the last
+        ``RTT_FRESH_S`` seconds (a site that heartbeats asks nothing more), else of
+        ``samples`` health checks (whose answers name the blob backend too, so a site that
+        measures its RTT asks no more for that)."""
+        now = time.monotonic()
+        recent = [ms for when, ms in self._round_trips if now - when <= RTT_FRESH_S]
+        if len(recent) >= samples:
+            return statistics.median(recent)
         for _ in range(samples):
-            t0 = time.perf_counter()
             answer = self.health()
-            times.append((time.perf_counter() - t0) * 1000.0)
             if self._backend is None and "blobs" in answer:
                 self._backend = str(answer["blobs"])
-        return sorted(times)[len(times) // 2]
+        return statistics.median(ms for _, ms in list(self._round_trips)[-samples:])
 
     def init_run(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self.post("/v1/run", spec)
@@ -235,7 +257,7 @@ class CoordinatorClient:
         self, site: str, digest: str, ranks: int, rtt_ms: float | None, round_no: int | None = None
     ) -> dict[str, Any]:
         body = {"digest": digest, "ranks": ranks, "rtt_ms": rtt_ms, "round": round_no}
-        return self.post(f"/v1/sites/{site}/register", body)
+        return self.post(f"/v1/sites/{site}/register", body, round_trip=True)
 
     def lease(
         self, site: str, round_no: int, n_blocks: int, t_step_s: float | None, rtt_ms: float | None
@@ -247,7 +269,7 @@ class CoordinatorClient:
             "t_step_s": t_step_s,
             "rtt_ms": rtt_ms,
         }
-        return self.post("/v1/leases", body)
+        return self.post("/v1/leases", body, round_trip=True)
 
     def heartbeat(
         self,
@@ -263,10 +285,10 @@ class CoordinatorClient:
         body = {"site": site, "consumed": consumed, "t_step_s": t_step_s}
         if echo is not None:
             body |= {"echo": echo, "echo_held_s": echo_held_s}
-        return self.post(f"/v1/leases/{lease_id}/heartbeat", body)
+        return self.post(f"/v1/leases/{lease_id}/heartbeat", body, round_trip=True)
 
     def release(self, lease_id: int, site: str) -> dict[str, Any]:
-        return self.post(f"/v1/leases/{lease_id}/release", {"site": site})
+        return self.post(f"/v1/leases/{lease_id}/release", {"site": site}, round_trip=True)
 
     def round_info(self, round_no: int) -> dict[str, Any]:
         return self.get(f"/v1/rounds/{round_no}")

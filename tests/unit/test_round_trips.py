@@ -149,3 +149,40 @@ def test_a_site_that_measured_its_rtt_asks_nothing_more_to_learn_the_blob_backen
     assert [r.url.path for r in seen] == ["/v1/health"] * 3
     assert client.backend == "file"
     assert len(seen) == 3  # the backend came with the health checks' answers
+
+
+def test_a_site_that_heartbeats_measures_its_rtt_without_asking_more(
+    run: LiveCoordinator, tiny_data: Path
+) -> None:
+    lease = join_and_lease(run, "lumi", tiny_data)
+    client = run.client("lumi")
+    seen = requests_of(client, 1)
+    for _ in range(2):
+        client.heartbeat(lease["lease_id"], "lumi", 0, None)
+    # two short requests are not enough: the third sample comes from health checks
+    first = client.rtt_ms()
+    assert [r.url.path for r in seen].count("/v1/health") == 3
+    assert first > 0
+    seen.clear()
+    for _ in range(3):
+        client.heartbeat(lease["lease_id"], "lumi", 0, None)
+    again = client.rtt_ms()  # the next round's join: the heartbeats' round trips answer it
+    assert [r.url.path for r in seen] == [f"/v1/leases/{lease['lease_id']}/heartbeat"] * 3
+    assert again > 0
+
+
+def test_a_long_poll_or_a_stale_sample_is_not_a_round_trip(
+    run: LiveCoordinator, tiny_data: Path, monkeypatch
+) -> None:
+    import crossfed.coordinator.http_client as http_client
+
+    client = run.client("lumi")
+    for _ in range(3):
+        client.status(1, wait_s=0.3)  # waits by design: its time is not the link's
+    seen = requests_of(client, 1)
+    client.rtt_ms()
+    assert [r.url.path for r in seen] == ["/v1/health"] * 3
+    seen.clear()
+    monkeypatch.setattr(http_client, "RTT_FRESH_S", 0.0)  # the samples above are now stale
+    client.rtt_ms()
+    assert [r.url.path for r in seen] == ["/v1/health"] * 3
