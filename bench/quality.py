@@ -205,7 +205,9 @@ class Run:
         self.master = {k: v.detach().clone().float() for k, v in parameters_of(self.model).items()}
         self.momentum: dict[str, torch.Tensor] = {}
         self.inner = inner
-        self.optimizers = [make_optimizer(self.model, inner, lr=0.0) for _ in range(sites)]
+        #: sites' AdamW denominators estimate a batch of this many sites' (1: AdamW's own)
+        self.combined = 1
+        self.optimizers = [self.new_optimizer() for _ in range(sites)]
         self.global_step = 0
         self.train_s = 0.0
         #: what happens to the sites' AdamW state at a merge (the workflow keeps it), and at
@@ -225,13 +227,19 @@ class Run:
         if self.merges % self.adam_every:
             return
         if self.adam_state == "reset":
-            self.optimizers = [make_optimizer(self.model, self.inner, lr=0.0) for _ in deltas]
+            self.optimizers = [self.new_optimizer() for _ in deltas]
         elif self.adam_state in ADAM_AVERAGES and len(self.optimizers) > 1:
             average_adam_state(self.optimizers, ADAM_AVERAGES[self.adam_state])
         elif self.adam_state == "shared":  # each site adopts them with the merged model
             params = parameters_of(self.model)
             sent = [moments.state_factors(params, opt) for opt in self.optimizers]
             self.merged_moments = moments.merge(sent, tokens)
+
+    def new_optimizer(self) -> torch.optim.Optimizer:
+        """A site's inner optimiser: the workflow's AdamW, or ``CombinedAdamW``."""
+        if self.combined > 1:
+            return combined_optimizer(self.model, self.inner, self.combined)
+        return make_optimizer(self.model, self.inner, lr=0.0)
 
     def round(self, leases: list[list[int]], steps: int) -> None:
         """Every site trains its lease from the global model; the outer step merges."""
@@ -276,6 +284,51 @@ class Run:
         load_parameters(self.model, self.master)
         _, ppl = evaluate(self.model, val.windows, val.n_windows, max_windows=max_windows)
         return ppl
+
+
+class CombinedAdamW(torch.optim.Optimizer):
+    """AdamW whose denominator estimates the second moment of a gradient over ``sites``
+    sites' batches rather than one's (``--combined-denominator``, a lever measured here):
+    sqrt(m^2 + (v - m^2) / sites) for bias-corrected m and v, m^2 standing for the squared
+    mean gradient and v - m^2 for one batch's noise, which ``sites`` batches divide. With
+    ``sites`` 1 it is torch's AdamW (``tests/unit/test_quality_bench.py``). The state keys are
+    torch's, so the shared second moment and the averages apply to it as they are."""
+
+    def __init__(self, groups, lr: float, betas: tuple[float, float], sites: float,
+                 eps: float = 1e-8) -> None:  # fmt: skip
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.sites = float(sites)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = float(state["step"])
+                p.mul_(1 - lr * group["weight_decay"])
+                state["exp_avg"].lerp_(p.grad, 1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m = state["exp_avg"] / (1 - b1**t)
+                v = state["exp_avg_sq"] / (1 - b2**t)
+                signal = torch.minimum(m * m, v)
+                denom = (signal + (v - signal) / self.sites).sqrt_().add_(group["eps"])
+                p.addcdiv_(m, denom, value=-lr)
+
+
+def combined_optimizer(model: torch.nn.Module, inner: InnerConfig, sites: int) -> CombinedAdamW:
+    """``make_optimizer``'s groups (decay on matrices only) under :class:`CombinedAdamW`."""
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim >= 2],
+         "weight_decay": inner.weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]  # fmt: skip
+    return CombinedAdamW(groups, lr=0.0, betas=inner.betas, sites=sites)
 
 
 def average_adam_state(
@@ -464,6 +517,9 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
     unique = list({id(run): run for run in runs.values()}.values())
     for run in unique:
         run.adam_state, run.adam_every = args.adam_state, args.adam_every
+        if args.combined_denominator and len(run.optimizers) > 1:
+            run.combined = len(run.optimizers)
+            run.optimizers = [run.new_optimizer() for _ in run.optimizers]
     curves: dict[str, list[float]] = {name: [] for name in runs}
     every = args.eval_every or T
     for r in range(R):
@@ -561,6 +617,11 @@ def main() -> None:
         "own: inner.second_moment: own), reset, or average over the sites whole (both "
         "moments, or only m or v)",
     )
+    parser.add_argument(
+        "--combined-denominator", action="store_true",
+        help="each site of a several-site row divides by sqrt(m^2 + (v - m^2) / S), an estimate "
+        "of the second moment over the S sites' batches (CombinedAdamW), not by sqrt(v)",
+    )  # fmt: skip
     parser.add_argument("--adam-every", type=int, default=1,
                         help="apply --adam-state at every K-th merge (default: each)")  # fmt: skip
     parser.add_argument("--eval-windows", type=int, default=256)
@@ -674,6 +735,7 @@ def main() -> None:
         "min_lr_factor": args.min_lr_factor,
         "weight_decay": args.weight_decay,
         "adam_state": args.adam_state,
+        "combined_denominator": args.combined_denominator,
         "outer_run": results[cells[0]]["outer_run"],
         "by_h": by_h,
         "curves": {f"H={H} seed={s}": v["curves"] for (H, s), v in results.items()},

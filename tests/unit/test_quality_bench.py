@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench.quality import (
+    CombinedAdamW,
     OverlapRun,
     Run,
     Wire,
@@ -217,3 +218,41 @@ def test_adam_every_averages_only_at_every_kth_merge(tiny_data: Path) -> None:
     assert v_equal()  # merge 2: averaged over the sites
     m = [list(opt.state.values())[0]["exp_avg"] for opt in run.optimizers]
     assert not torch.equal(m[0], m[1])  # average-v leaves the first moment alone
+
+
+def _two_layers(sites: int | None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    if sites is None:
+        return model, torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=False)
+    return model, CombinedAdamW(groups, lr=1e-2, betas=(0.9, 0.95), sites=sites)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, noise: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        x = torch.randn(8, 6, generator=gen)
+        y = x[:, :3] + noise * torch.randn(8, 3, generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+def test_combined_denominator_of_one_site_is_adamw_and_of_three_steps_further() -> None:
+    torch_model, torch_opt = _two_layers(None)
+    one_model, one_opt = _two_layers(1)
+    three_model, three_opt = _two_layers(3)
+    start = [p.detach().clone() for p in torch_model.parameters()]
+    for model, opt in ((torch_model, torch_opt), (one_model, one_opt), (three_model, three_opt)):
+        _train(model, opt, noise=3.0)
+    for a, b in zip(torch_model.parameters(), one_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # the same gradients' noise divided by three sites: a smaller denominator, longer steps
+    moved_one = sum((p - s).norm() for p, s in zip(one_model.parameters(), start, strict=True))
+    moved_three = sum((p - s).norm() for p, s in zip(three_model.parameters(), start, strict=True))
+    assert moved_three > 1.2 * moved_one
+    assert set(three_opt.state[next(three_model.parameters())]) == {"step", "exp_avg", "exp_avg_sq"}
