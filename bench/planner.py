@@ -12,9 +12,9 @@ import statistics
 import time
 from datetime import UTC, datetime, timedelta
 
+from crossfed.config import Shape, SiteConfig
 from crossfed.sched.planner import PlanParams, make_plan
 from crossfed.sched.probe import ProbeReason, ProbeResult, probe_frame, probe_row
-from crossfed.sched.sites import Shape, SiteConfig
 
 TARGET_S = 1.0
 REPEATS = 7

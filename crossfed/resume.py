@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from crossfed.config import ConfigError
 
 if TYPE_CHECKING:
-    from crossfed.sched.sites import SiteConfig
+    from crossfed.config import SiteConfig
 
 _NEW_RUN = (
     "to train with these settings, start a new run in another results directory "

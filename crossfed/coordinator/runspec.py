@@ -13,7 +13,7 @@ from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.train.schedule import LRSchedule
 
 if TYPE_CHECKING:
-    from crossfed.sched.sites import SiteConfig
+    from crossfed.config import SiteConfig
 
 
 class RunSpecError(ValueError):

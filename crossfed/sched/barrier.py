@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from crossfed.config import load_sites_yaml
 from crossfed.fileio import write_atomic
-from crossfed.sched.sites import load_sites_yaml
 
 LOG_COLUMNS = [
     "site",

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from crossfed.config import SitesConfigError, load_sites_yaml, parse_sites
 from crossfed.sched.planner import FixedJob, PlanError, PlanParams, make_plan, write_plan
 from crossfed.sched.probe import (
     ProbeTableError,
@@ -36,7 +37,6 @@ from crossfed.sched.sacct import (
     sacct_window_start,
     walltime_discount,
 )
-from crossfed.sched.sites import SitesConfigError, load_sites_yaml, parse_sites
 from crossfed.sched.slurm_messages import Advice, advice_for
 
 INPUT_ERRORS = (
@@ -208,8 +208,7 @@ def _from_run_config(args: argparse.Namespace) -> None:
     round consumes; flags given explicitly win. Rules pass the config file rather than
     these numbers, so a rerun with more rounds changes no finished job's parameters.
     """
-    from crossfed.config import load_run_config, load_sites
-    from crossfed.sched.sites import tokens_per_round
+    from crossfed.config import load_run_config, load_sites, tokens_per_round
 
     config = load_run_config(Path(args.config))
     sites = load_sites(config)

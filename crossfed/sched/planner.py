@@ -37,8 +37,8 @@ from typing import Any
 
 import pandas as pd
 
+from crossfed.config import SiteConfig
 from crossfed.sched.probe import LOCAL_DETAIL, as_aware
-from crossfed.sched.sites import SiteConfig
 from crossfed.sched.slurm_messages import Advice, advice_for
 
 EPS = 1e-9

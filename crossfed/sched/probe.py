@@ -4,7 +4,7 @@
 subprocess runner; ``collect_probes`` turns a site config into a probe table. Nothing is
 ever enqueued: ``--test-only`` only asks the scheduler where the job would start.
 
-The sites it probes are :class:`crossfed.sched.sites.SiteConfig`, the run's one site type.
+The sites it probes are :class:`crossfed.config.SiteConfig`, the run's one site type.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from typing import Any
 
 import pandas as pd
 
+from crossfed.config import Shape, SiteConfig, SitesConfigError, format_slurm_duration
 from crossfed.sched.columns import PROBE_COLUMNS
-from crossfed.sched.durations import format_slurm_duration
 from crossfed.sched.sacct import SlurmTimeError, parse_slurm_time, slurm_client_env
-from crossfed.sched.sites import Shape, SiteConfig, SitesConfigError
 from crossfed.sched.slurm_messages import ProbeReason, classify_failure
 
 LOCAL_DETAIL = "local profile: no batch scheduler, jobs start now"

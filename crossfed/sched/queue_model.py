@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
+from crossfed.config import Shape, SiteConfig
 from crossfed.sched.planner import PlanParams, Segment, finish_time, make_plan
 from crossfed.sched.probe import ProbeReason, ProbeResult, probe_frame, probe_row
-from crossfed.sched.sites import Shape, SiteConfig
 
 _TOKENS_PER_UNIT = 1e9  # plan in billions of tokens: keeps the numbers readable
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from crossfed.sched.durations import SlurmDurationError, parse_slurm_duration
+from crossfed.config import SlurmDurationError, parse_slurm_duration
 
 SACCT_FIELDS = ("JobID", "Elapsed", "Timelimit", "State", "Start", "End", "AllocTRES")
 _UNFINISHED = {"RUNNING", "PENDING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD"}

@@ -15,9 +15,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from crossfed.config import tokens_per_round
 from crossfed.fileio import write_atomic
 from crossfed.progress import site_prefix
-from crossfed.sched.sites import tokens_per_round
 from crossfed.site.loop import (
     ChainError,
     ChainOutcome,
@@ -32,7 +32,7 @@ from crossfed.site.loop import (
 from crossfed.site.slurm import slurm_allocation
 
 if TYPE_CHECKING:  # the runner imports torchtitan: only a training job needs it
-    from crossfed.sched.sites import SiteConfig
+    from crossfed.config import SiteConfig
     from crossfed.site.records import SiteSettings
 
 

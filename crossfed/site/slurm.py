@@ -159,7 +159,7 @@ def planned_job(plan: Mapping[str, Any] | None, site: str, site_cfg: Mapping[str
     The job asks for the shape's full walltime (capped by the site's maximum): a chain job
     trains as many rounds as fit, so a longer allocation only means fewer queue waits.
     """
-    from crossfed.sched.durations import SlurmDurationError, parse_slurm_duration
+    from crossfed.config import SlurmDurationError, parse_slurm_duration
 
     entry = (plan or {}).get("sites", {}).get(site, {}) or {}
     shapes = list(site_cfg.get("shapes") or [])

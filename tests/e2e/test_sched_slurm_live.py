@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from crossfed.config import Shape, SiteConfig
 from crossfed.sched.probe import (
     ProbeReason,
     parse_test_only,
@@ -29,7 +30,6 @@ from crossfed.sched.sacct import (
     sacct_window_start,
     walltime_discount,
 )
-from crossfed.sched.sites import Shape, SiteConfig
 from tests.helpers.slurm_cluster import SlurmTestCluster, SlurmUnavailable, free_ports, skip_or_fail
 
 ISO = re.compile(r"to start at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d ")

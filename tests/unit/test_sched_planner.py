@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from crossfed.config import Shape, SiteConfig
 from crossfed.sched.planner import (
     FixedJob,
     Plan,
@@ -26,7 +27,6 @@ from crossfed.sched.planner import (
     write_plan,
 )
 from crossfed.sched.probe import ProbeReason, ProbeResult, probe_frame, probe_row
-from crossfed.sched.sites import Shape, SiteConfig
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 H = 3600.0

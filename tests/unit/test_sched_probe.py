@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 import yaml
 
+from crossfed.config import Shape, SiteConfig, SitesConfigError, parse_sites, read_sites_file
 from crossfed.sched.probe import (
     LOCAL_DETAIL,
     ProbeReason,
@@ -23,7 +24,6 @@ from crossfed.sched.probe import (
     subprocess_runner,
     write_probes,
 )
-from crossfed.sched.sites import Shape, SiteConfig, SitesConfigError, parse_sites, read_sites_file
 from crossfed.sched.slurm_messages import ADVICE, Advice, advice_for
 from tests.helpers import DATA
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from crossfed.sched.durations import (
+from crossfed.config import (
     SlurmDurationError,
     format_slurm_duration,
     parse_slurm_duration,

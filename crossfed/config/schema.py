@@ -1,21 +1,20 @@
-"""Run and site configuration: YAML validated against the JSON schemas in workflow/schemas/."""
+"""YAML read and validated against the JSON schemas in workflow/schemas/, defaults filled in.
+
+Every problem is named in one ``ConfigError``: where it is, what is wrong and the likely fix.
+"""
 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from jsonschema import Draft202012Validator, ValidationError, validators
 
-from crossfed.flavours import did_you_mean, flavour_error
+from crossfed.flavours import did_you_mean
 
-if TYPE_CHECKING:
-    from crossfed.sched.sites import SiteConfig
-
-SCHEMAS = Path(__file__).resolve().parent.parent / "workflow" / "schemas"
+SCHEMAS = Path(__file__).resolve().parents[2] / "workflow" / "schemas"
 
 
 class ConfigError(ValueError):
@@ -114,24 +113,8 @@ def validate(data: dict[str, Any], schema_name: str, source: str) -> dict[str, A
     return data
 
 
-def check_model(config: dict[str, Any], source: str) -> None:
-    """Refuse a model flavour crossfed cannot build (checked without importing torch)."""
-    problem = flavour_error(config["model"]["flavour"])
-    if problem:
-        raise ConfigError(f"{source}: model/flavour: {problem}")
-
-
-def check_run(config: dict[str, Any], sites: dict[str, SiteConfig]) -> None:
-    """Checks across the validated run config and its sites, made when the workflow is read."""
-    check_model(config, "workflow config")
-    unknown = sorted(set(config["here"]) - set(sites))
-    if unknown:
-        raise ConfigError(
-            f"config 'here' names unknown sites {unknown}; the run's sites are {list(sites)}"
-        )
-
-
 def read_yaml(path: Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML file (empty: ``{}``)."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError as exc:
@@ -143,44 +126,3 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     return data
-
-
-def load_run_config(path: Path | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run config with defaults; ``overrides`` are merged on top (like ``--config k=v``)."""
-    data = read_yaml(path) if path else {}
-    for key, value in (overrides or {}).items():
-        data[key] = value
-    source = str(path or "config")
-    config = validate(data, "config.schema.yaml", source)
-    check_model(config, source)
-    return config
-
-
-def load_sites(config: dict[str, Any]) -> dict[str, SiteConfig]:
-    """The participating sites from ``config['sites_file']``, validated, in file order.
-
-    Each is a :class:`crossfed.sched.sites.SiteConfig`, the run's one site type: typed
-    fields, and the schema-validated mapping (defaults filled in) it was built from.
-    """
-    from crossfed.sched.sites import SitesConfigError, parse_site
-
-    path = Path(config["sites_file"])
-    sites = validate(read_yaml(path), "sites.schema.yaml", str(path))["sites"]
-    for name, site in sites.items():
-        names = [shape["name"] for shape in site["shapes"]]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ConfigError(f"{path}: sites/{name}/shapes: shape names used twice: {twice}")
-    wanted = config.get("sites") or list(sites)
-    unknown = [name for name in wanted if name not in sites]
-    if unknown:
-        raise ConfigError(f"config 'sites' names unknown sites {unknown}; {path} has {list(sites)}")
-    try:
-        return {name: parse_site(name, sites[name]) for name in wanted}
-    except SitesConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
-
-
-def dumps(config: dict[str, Any]) -> str:
-    """Stable JSON of a config, for digests and logs."""
-    return json.dumps(config, sort_keys=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from crossfed.sched.durations import SlurmDurationError, parse_slurm_duration
+from crossfed.config.durations import SlurmDurationError, parse_slurm_duration
 
 
 class SitesConfigError(ValueError):
@@ -224,8 +224,3 @@ def read_sites_file(path: str | Path) -> dict[str, SiteConfig]:
     parsed leniently, unknown keys kept in ``extra`` (a run's sites come from
     :func:`crossfed.config.load_sites`, validated by the schema first)."""
     return parse_sites(load_sites_yaml(path), source=str(path))
-
-
-def tokens_per_round(config: Mapping[str, Any], windows_per_step: int) -> int:
-    """Tokens one site trains in one round: H * seq_len * (B * W * A windows a step)."""
-    return int(config["inner"]["steps"]) * int(config["data"]["seq_len"]) * windows_per_step
