@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from crossfed.config import ConfigError, RunConfig, validate_run_config
 from crossfed.fileio import write_atomic
 from crossfed.sched.columns import PROBE_COLUMNS
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 OPEN = 1
 
 
-def coordinator_round(config: dict[str, Any], who: str = "admin") -> int | None:
+def coordinator_round(config: RunConfig, who: str = "admin") -> int | None:
     """The coordinator's current round, or None when it cannot say (unreachable, no run,
     no token): the caller then does the round's work as always."""
     import httpx
@@ -79,12 +80,15 @@ def closed_plan(round_no: int, current: int, rounds: int, now: datetime) -> dict
     }
 
 
-def _read_config(path: str) -> dict[str, Any]:
-    """The workflow's effective config (results/.crossfed/config.yaml, validated already)."""
+def _read_config(path: str) -> RunConfig:
+    """The workflow's effective config (results/.crossfed/config.yaml), typed."""
     data = yaml.safe_load(Path(path).read_text())
     if not isinstance(data, dict) or "coordinator" not in data:
         raise SystemExit(f"crossfed catchup: {path}: not a crossfed run config")
-    return data
+    try:
+        return validate_run_config(data, path)[1]
+    except ConfigError as exc:
+        raise SystemExit(f"crossfed catchup: {exc}") from exc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return OPEN
     out = Path(args.out)
     if args.what == "plan":
-        plan = closed_plan(args.round, current, int(config["rounds"]), datetime.now(UTC))
+        plan = closed_plan(args.round, current, config.rounds, datetime.now(UTC))
         write_atomic(out, json.dumps(plan, indent=2) + "\n")
         print(plan["detail"])
     else:

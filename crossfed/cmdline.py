@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from crossfed.config import load_run_config
+from crossfed.config import RunConfig, load_run_config
 from crossfed.fileio import write_atomic
 
 #: the --config default of the commands that read the run config
@@ -52,7 +52,7 @@ def add_threads(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
 
 
-def run_config(args: argparse.Namespace) -> dict[str, Any]:
+def run_config(args: argparse.Namespace) -> RunConfig:
     """The run config ``--config`` names, with the ``--set`` overrides applied."""
     overrides = {}
     for item in getattr(args, "set", None) or []:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
@@ -15,6 +15,9 @@ import pandas as pd  # noqa: E402
 from crossfed.darl.ledger import TABLE3_COLUMNS  # noqa: E402
 from crossfed.fileio import write_atomic  # noqa: E402
 from crossfed.sched.barrier import idle_shares  # noqa: E402
+
+if TYPE_CHECKING:
+    from crossfed.config import RunConfig
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -461,7 +464,7 @@ def table_html(frame: pd.DataFrame, title: str, csv_name: str, path: Path) -> Pa
 
 
 def write_report(
-    config: dict[str, Any],
+    config: RunConfig,
     site_names: list[str],
     results: Path,
     ledger_records: list[dict[str, Any]] | None = None,

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from crossfed.config import ConfigError
 
 if TYPE_CHECKING:
-    from crossfed.config import SiteConfig
+    from crossfed.config import RunConfig, SiteConfig
 
 _NEW_RUN = (
     "to train with these settings, start a new run in another results directory "
@@ -28,29 +28,29 @@ _NEW_RUN = (
 )
 
 
-def data_changes(config: Mapping[str, Any]) -> list[str]:
+def data_changes(config: RunConfig) -> list[str]:
     """How the config's data settings differ from the data prepared in ``data.dir``.
 
     Empty when nothing is prepared yet or the preparation matches. Input shards are compared
     by name (hashing a large corpus at every workflow read would take minutes); a given
     tokenizer by its digest.
     """
-    data = config["data"]
-    meta_path = Path(data["dir"]) / "meta.json"
+    data = config.data
+    meta_path = Path(data.dir) / "meta.json"
     if not meta_path.exists():
         return []
     from crossfed.data.corpus import CorpusError, resolve_inputs
     from crossfed.data.prepare import preparation_params, sha256_file
 
     meta = json.loads(meta_path.read_text())
-    inputs, tokenizer = data["inputs"], data["tokenizer"]
+    inputs, tokenizer = data.inputs, data.tokenizer
     wanted = preparation_params(
         embedded=not inputs,
         trained=tokenizer is None,
-        vocab_size=data["vocab_size"],
-        seq_len=data["seq_len"],
-        val_fraction=data["val_fraction"],
-        shards=data["shards"],
+        vocab_size=data.vocab_size,
+        seq_len=data.seq_len,
+        val_fraction=data.val_fraction,
+        shards=data.shards,
     )
     had = meta.get("params", {})
     changes = [
@@ -88,13 +88,13 @@ def _few(names: list[str]) -> str:
     return f"[{shown}{', ...' if len(names) > 3 else ''}] ({len(names)} shards)"
 
 
-def check_rerun(config: Mapping[str, Any], sites: Mapping[str, SiteConfig]) -> None:
+def check_rerun(config: RunConfig, sites: Mapping[str, SiteConfig]) -> None:
     """Refuse a config that would change a run in progress other than by adding rounds."""
-    results = Path(config["results"])
+    results = Path(config.results)
     changed = data_changes(config)
     if changed:
         raise ConfigError(
-            f"{config['data']['dir']} holds the data this run was prepared from, and this "
+            f"{config.data.dir} holds the data this run was prepared from, and this "
             f"config asks for other data: {'; '.join(changed)}. Nothing was changed; " + _NEW_RUN
         )
     run_path = results / "run.json"
@@ -110,7 +110,7 @@ def check_rerun(config: Mapping[str, Any], sites: Mapping[str, SiteConfig]) -> N
     )
 
     recorded = RunSpec.from_dict(json.loads(run_path.read_text())["spec"])
-    changes = differences(recorded, resolve_outer(run_spec(dict(config), dict(sites)), recorded))
+    changes = differences(recorded, resolve_outer(run_spec(config, dict(sites)), recorded))
     refused = {name: change for name, change in changes.items() if name not in EXTENSIBLE}
     if refused:
         raise ConfigError(
@@ -119,9 +119,9 @@ def check_rerun(config: Mapping[str, Any], sites: Mapping[str, SiteConfig]) -> N
             "are fine). Nothing was changed; " + _NEW_RUN
         )
     done = rounds_closed(results)
-    if config["rounds"] < done:
+    if config.rounds < done:
         raise ConfigError(
-            f"rounds: {config['rounds']}, but this run has closed {done} rounds already "
+            f"rounds: {config.rounds}, but this run has closed {done} rounds already "
             f"(results/rounds/*/merge.json); a run can be extended, not shortened. Nothing "
             f"was changed; give rounds >= {done}"
         )

@@ -1,5 +1,6 @@
-# Shared names: the validated config (defaults filled by workflow/schemas), the sites, the
-# rounds, the input functions every stage uses, and the coordinator's lifecycle hooks.
+# Shared names: the validated config (defaults filled by workflow/schemas; RUN, its typed
+# tree), the sites, the rounds, the input functions every stage uses, and the coordinator's
+# lifecycle hooks.
 # No training or ledger logic lives here; the rules call the `crossfed` CLI.
 import json
 import os
@@ -10,25 +11,28 @@ from pathlib import Path
 import yaml
 from crossfed.site.loop import chain_continues
 from crossfed.site.slurm import planned_job
-from crossfed.config import ConfigError, check_run, load_sites, validate
+from crossfed.config import ConfigError, check_run, load_sites, validate_run_config
 from crossfed.fileio import write_atomic
 from crossfed.resume import check_rerun
 from snakemake.settings.types import DeploymentMethod
 
-config.update(validate(dict(config), "config.schema.yaml", "workflow config"))
-RESULTS = config["results"]
-DATA = config["data"]["dir"]
+# Snakemake's `config` stays the validated mapping (the effective config written for the
+# CLI); the rules read the typed tree built once from it
+_VALIDATED, RUN = validate_run_config(config, "workflow config")
+config.update(_VALIDATED)
+RESULTS = RUN.results
+DATA = RUN.data.dir
 LOGS = f"{RESULTS}/logs"
-SITE_CONFIG = load_sites(config)
-check_run(config, SITE_CONFIG)  # the model flavour; 'here' names sites of the run
+SITE_CONFIG = load_sites(RUN)
+check_run(RUN, SITE_CONFIG)  # the model flavour; 'here' names sites of the run
 SITES = list(SITE_CONFIG)
-ROUNDS = list(range(1, config["rounds"] + 1))
+ROUNDS = list(range(1, RUN.rounds + 1))
 # a rerun may add rounds; a change that would alter the finished ones is refused here
-check_rerun(config, SITE_CONFIG)
+check_rerun(RUN, SITE_CONFIG)
 
 # The sites whose jobs this workflow submits: every site of the run (local profile, one
 # login node driving a test cluster), or only the site whose login node this is.
-HERE = config["here"] or SITES
+HERE = list(RUN.here) or SITES
 # A site without a batch scheduler runs one site-loop job for the run; a Slurm site chains
 # allocations, each running the same loop (rules/train.smk).
 LOCAL_SITES = [s for s in HERE if SITE_CONFIG[s].scheduler != "slurm"]
@@ -45,8 +49,8 @@ ROUND_PRIORITY = 1
 # How jobs find crossfed: an Apptainer image (LUMI, Frontier) or environment modules
 # (Snellius), used under the profile's software-deployment-method; the conda environment
 # documents the same software for `--sdm conda`.
-CONTAINER = config["software"]["container"]
-MODULES = config["software"]["modules"]
+CONTAINER = RUN.software.container
+MODULES = list(RUN.software.modules)
 CONDA_ENV = "../workflow/envs/crossfed.yaml"
 
 # How the rules and hooks call crossfed, whatever PATH says (each rule takes it as a param,
@@ -133,7 +137,7 @@ def previous_round(wildcards):
 
 def probe_only():
     """`--site` flags limiting probes to the sites this workflow submits for."""
-    return " ".join(f"--site {s}" for s in HERE) if config["here"] else ""
+    return " ".join(f"--site {s}" for s in HERE) if RUN.here else ""
 
 
 def previous_job(wildcards):
@@ -163,7 +167,7 @@ def chain_last(wildcards):
 
     A chain that completed a shorter run goes on when the run has been extended.
     """
-    for job in range(1, config["chain"]["max_jobs"] + 1):
+    for job in range(1, RUN.chain.max_jobs + 1):
         outcome = checkpoints.train_job.get(site=wildcards.site, job=job).output.outcome
         if not chain_continues(json.loads(open(outcome).read()), int(wildcards.last_round)):
             return outcome

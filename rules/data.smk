@@ -5,7 +5,7 @@
 # and prepare_data gathers the parts into the same bytes one job writes. The plan and the
 # parts are temporary: once meta.json stands, no job count (a changed one included) makes
 # Snakemake prepare the data again (the profiles rerun on mtime only).
-PREPARE_JOBS = config["data"]["prepare_jobs"]
+PREPARE_JOBS = RUN.data.prepare_jobs
 PREPARE_PLAN = f"{DATA}/.prepare/plan-of-{PREPARE_JOBS}.json"
 PREPARE_PARTS = [
     f"{DATA}/.prepare/part-{k}-of-{PREPARE_JOBS}.{ext}"

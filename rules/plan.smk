@@ -18,7 +18,7 @@ rule plan:
         crossfed=CROSSFED,
         python=PYTHON,
         config=CONFIG,
-        sites=config["sites_file"],
+        sites=RUN.sites_file,
         done=lambda wildcards: int(wildcards.for_round) - 1,
         job_log=lambda wildcards: f"{RESULTS}/rounds/{wildcards.for_round}/job_log.csv",
         # the planner's plan before the fill: the site loops read plan.json as soon as it

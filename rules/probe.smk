@@ -12,7 +12,7 @@ rule probe:
         f"{LOGS}/probe/{{round}}.log",
     params:
         crossfed=CROSSFED,
-        sites=config["sites_file"],
+        sites=RUN.sites_file,
         only=probe_only(),
         history=f"{RESULTS}/probes/history.csv",
         python=PYTHON,
@@ -39,7 +39,7 @@ rule probe_job:
         f"{LOGS}/probe/{{site}}-job{{job}}.log",
     params:
         crossfed=CROSSFED,
-        sites=config["sites_file"],
+        sites=RUN.sites_file,
         only=" ".join(f"--site {s}" for s in SLURM_SITES),
         history=lambda wildcards: f"{RESULTS}/probes/history-{wildcards.site}.csv",
     priority: SITE_LOOP_PRIORITY  # it sizes the chain's next job

@@ -1,9 +1,9 @@
 """The run's configuration, the bottom layer every other package reads it from.
 
-``schema``: YAML validated against workflow/schemas/ (defaults filled in); ``sites``: the
-run's one site type, ``SiteConfig``; ``durations``: Slurm time limits; ``load``: the run
-config and its sites, checked across each other. Imports neither torch nor another crossfed
-package above it.
+``schema``: YAML validated against workflow/schemas/ (defaults filled in); ``run``: the run
+config as one typed tree, ``RunConfig``; ``sites``: the run's one site type, ``SiteConfig``;
+``durations``: Slurm time limits; ``load``: the run config and its sites, read and checked
+across each other. Imports neither torch nor a crossfed package above it.
 """
 
 from crossfed.config.durations import (
@@ -14,10 +14,30 @@ from crossfed.config.durations import (
 from crossfed.config.load import (
     check_model,
     check_run,
-    dumps,
     load_run_config,
     load_sites,
-    tokens_per_round,
+    validate_run_config,
+)
+from crossfed.config.run import (
+    BlobsSection,
+    ChainSection,
+    ConnectivitySection,
+    CoordinatorSection,
+    DarlSection,
+    DataSection,
+    EvalSection,
+    InnerSection,
+    LauncherSection,
+    ModelSection,
+    OuterSection,
+    OverlapSection,
+    RoundPolicySection,
+    RunConfig,
+    S3Section,
+    Section,
+    SoftwareSection,
+    TransportSection,
+    dumps,
 )
 from crossfed.config.schema import SCHEMAS, ConfigError, read_yaml, validate
 from crossfed.config.sites import (
@@ -32,11 +52,29 @@ from crossfed.config.sites import (
 
 __all__ = [
     "SCHEMAS",
+    "BlobsSection",
+    "ChainSection",
     "ConfigError",
+    "ConnectivitySection",
+    "CoordinatorSection",
+    "DarlSection",
+    "DataSection",
+    "EvalSection",
+    "InnerSection",
+    "LauncherSection",
+    "ModelSection",
+    "OuterSection",
+    "OverlapSection",
+    "RoundPolicySection",
+    "RunConfig",
+    "S3Section",
+    "Section",
     "Shape",
     "SiteConfig",
     "SitesConfigError",
     "SlurmDurationError",
+    "SoftwareSection",
+    "TransportSection",
     "check_model",
     "check_run",
     "dumps",
@@ -49,6 +87,6 @@ __all__ = [
     "parse_slurm_duration",
     "read_sites_file",
     "read_yaml",
-    "tokens_per_round",
     "validate",
+    "validate_run_config",
 ]

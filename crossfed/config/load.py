@@ -2,57 +2,63 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from crossfed.config.run import RunConfig
 from crossfed.config.schema import ConfigError, read_yaml, validate
 from crossfed.config.sites import SiteConfig, SitesConfigError, parse_site
 from crossfed.flavours import flavour_error
 
 
-def check_model(config: dict[str, Any], source: str) -> None:
+def check_model(config: RunConfig, source: str) -> None:
     """Refuse a model flavour crossfed cannot build (checked without importing torch)."""
-    problem = flavour_error(config["model"]["flavour"])
+    problem = flavour_error(config.model.flavour)
     if problem:
         raise ConfigError(f"{source}: model/flavour: {problem}")
 
 
-def check_run(config: dict[str, Any], sites: dict[str, SiteConfig]) -> None:
+def check_run(config: RunConfig, sites: Mapping[str, SiteConfig]) -> None:
     """Checks across the validated run config and its sites, made when the workflow is read."""
     check_model(config, "workflow config")
-    unknown = sorted(set(config["here"]) - set(sites))
+    unknown = sorted(set(config.here) - set(sites))
     if unknown:
         raise ConfigError(
             f"config 'here' names unknown sites {unknown}; the run's sites are {list(sites)}"
         )
 
 
-def load_run_config(path: Path | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def validate_run_config(data: Mapping[str, Any], source: str) -> tuple[dict[str, Any], RunConfig]:
+    """A run config's mapping validated (defaults filled in), and the typed tree built from it."""
+    mapping = validate(dict(data), "config.schema.yaml", source)
+    config = RunConfig.from_mapping(mapping)
+    check_model(config, source)
+    return mapping, config
+
+
+def load_run_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """The run config with defaults; ``overrides`` are merged on top (like ``--config k=v``)."""
     data = read_yaml(path) if path else {}
     for key, value in (overrides or {}).items():
         data[key] = value
-    source = str(path or "config")
-    config = validate(data, "config.schema.yaml", source)
-    check_model(config, source)
-    return config
+    return validate_run_config(data, str(path or "config"))[1]
 
 
-def load_sites(config: dict[str, Any]) -> dict[str, SiteConfig]:
-    """The participating sites from ``config['sites_file']``, validated, in file order.
+def load_sites(config: RunConfig) -> dict[str, SiteConfig]:
+    """The participating sites from ``config.sites_file``, validated, in file order.
 
     Each is a :class:`crossfed.config.SiteConfig`, the run's one site type: typed
     fields, and the schema-validated mapping (defaults filled in) it was built from.
     """
-    path = Path(config["sites_file"])
+    path = Path(config.sites_file)
     sites = validate(read_yaml(path), "sites.schema.yaml", str(path))["sites"]
     for name, site in sites.items():
         names = [shape["name"] for shape in site["shapes"]]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ConfigError(f"{path}: sites/{name}/shapes: shape names used twice: {twice}")
-    wanted = config.get("sites") or list(sites)
+    wanted = list(config.sites) or list(sites)
     unknown = [name for name in wanted if name not in sites]
     if unknown:
         raise ConfigError(f"config 'sites' names unknown sites {unknown}; {path} has {list(sites)}")
@@ -60,13 +66,3 @@ def load_sites(config: dict[str, Any]) -> dict[str, SiteConfig]:
         return {name: parse_site(name, sites[name]) for name in wanted}
     except SitesConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-
-
-def dumps(config: dict[str, Any]) -> str:
-    """Stable JSON of a config, for digests and logs."""
-    return json.dumps(config, sort_keys=True)
-
-
-def tokens_per_round(config: dict[str, Any], windows_per_step: int) -> int:
-    """Tokens one site trains in one round: H * seq_len * (B * W * A windows a step)."""
-    return int(config["inner"]["steps"]) * int(config["data"]["seq_len"]) * windows_per_step

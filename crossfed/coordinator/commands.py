@@ -29,7 +29,7 @@ from crossfed.cmdline import (
     run_config,
     write_json,
 )
-from crossfed.config import ConfigError, load_sites
+from crossfed.config import ConfigError, RunConfig, load_sites
 
 
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
@@ -73,11 +73,11 @@ def cmd_coordinator_start(args: argparse.Namespace) -> int:
     from crossfed.coordinator.embedded import start_embedded
 
     config = run_config(args)
-    if config["coordinator"]["url"] != "embedded":
-        print(f"coordinator is remote ({config['coordinator']['url']}); nothing to start")
+    if config.coordinator.url != "embedded":
+        print(f"coordinator is remote ({config.coordinator.url}); nothing to start")
         return 0
     url = start_embedded(config, list(load_sites(config)))
-    print(f"crossfed coordinator listening on {url} (state: {config['coordinator']['state_dir']})")
+    print(f"crossfed coordinator listening on {url} (state: {config.coordinator.state_dir})")
     return 0
 
 
@@ -85,7 +85,7 @@ def cmd_coordinator_stop(args: argparse.Namespace) -> int:
     from crossfed.coordinator.embedded import stop_embedded
 
     config = run_config(args)
-    if config["coordinator"]["url"] == "embedded" and stop_embedded(config):
+    if config.coordinator.url == "embedded" and stop_embedded(config):
         print("crossfed coordinator stopped")
     return 0
 
@@ -152,7 +152,7 @@ def _join_run(client: Any, spec: Any) -> dict[str, Any]:
     return {"created": False, "joined": True, **status}
 
 
-def _secure_model(config: dict[str, Any], client: Any, generation: int, out: Path) -> Path:
+def _secure_model(config: RunConfig, client: Any, generation: int, out: Path) -> Path:
     """Keep a global model where the workflow cannot delete it, and link it to ``out``.
 
     The coordinator keeps only its last few generations, so the workflow's copy would be
@@ -163,7 +163,7 @@ def _secure_model(config: dict[str, Any], client: Any, generation: int, out: Pat
     """
     from crossfed.fileio import kept_model_path, link_or_copy
 
-    kept = kept_model_path(Path(config["results"]), generation)
+    kept = kept_model_path(Path(config.results), generation)
     if not kept.exists():
         if out.exists():  # secured before the kept copy existed
             link_or_copy(out, kept)
@@ -204,7 +204,7 @@ def cmd_run_init(args: argparse.Namespace) -> int:
                 raise
             print("no run on the coordinator yet; the workflow's init_run job creates it")
             return 0
-        if not (Path(config["data"]["dir"]) / "meta.json").exists():
+        if not (Path(config.data.dir) / "meta.json").exists():
             # a site that joins a run the operator created: its data job comes first
             print("this site's data are not prepared yet; the workflow's init_run job joins")
             return 0
@@ -270,14 +270,14 @@ def cmd_round_wait(args: argparse.Namespace) -> int:
     return 0
 
 
-def _round_progress(config: dict[str, Any], info: dict[str, Any]) -> None:
+def _round_progress(config: RunConfig, info: dict[str, Any]) -> None:
     """The run-level progress line of a closed round: round k of N and the run's ETA."""
     from crossfed.progress import CONSOLE, closed_round_seconds, round_line
 
-    results = Path(config["results"])
+    results = Path(config.results)
     earlier = closed_round_seconds(results, before=info["round_no"])
     seconds = [*earlier, info["closed_at"] - info["opened_at"]]
-    CONSOLE.info(round_line(info, config["rounds"], seconds, time.time()))
+    CONSOLE.info(round_line(info, config.rounds, seconds, time.time()))
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
@@ -291,7 +291,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     except EndpointError:  # the embedded coordinator has stopped: read its state directly
         from crossfed.coordinator.service import read_ledger
 
-        records = read_ledger(Path(config["coordinator"]["state_dir"]))
+        records = read_ledger(Path(config.coordinator.state_dir))
     frame = pd.DataFrame(records)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -303,19 +303,19 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
-def _effective_config(args: argparse.Namespace) -> dict[str, Any]:
+def _effective_config(args: argparse.Namespace) -> RunConfig:
     """The run config; with ``--config`` left at its default, the effective config the
     workflow wrote (``<results>/.crossfed/config.yaml``: the profile's and ``--config``
     overrides included) where it exists. ``--set`` applies on top either way."""
     config = run_config(args)
     if args.config in (None, DEFAULT_CONFIG):
-        written = Path(config["results"]) / ".crossfed" / "config.yaml"
+        written = Path(config.results) / ".crossfed" / "config.yaml"
         if written.exists():
             return run_config(argparse.Namespace(**{**vars(args), "config": str(written)}))
     return config
 
 
-def _admin_read(config: dict[str, Any], live: Any, stopped: Any) -> tuple[Any, bool]:
+def _admin_read(config: RunConfig, live: Any, stopped: Any) -> tuple[Any, bool]:
     """``live(client)`` from the running coordinator, else ``stopped(state_dir)`` from the
     state directory it left (an embedded coordinator that has stopped, or one out of reach
     whose state is on this machine). Returns the answer and whether it was live."""
@@ -323,8 +323,8 @@ def _admin_read(config: dict[str, Any], live: Any, stopped: Any) -> tuple[Any, b
     from crossfed.coordinator.http_client import Unreachable
     from crossfed.coordinator.service import CoordinatorError
 
-    state_dir = Path(config["coordinator"]["state_dir"])
-    quick = {"retry_budget_s": 3.0} if config["coordinator"]["url"] == "embedded" else {}
+    state_dir = Path(config.coordinator.state_dir)
+    quick = {"retry_budget_s": 3.0} if config.coordinator.url == "embedded" else {}
     try:
         return live(client_for(config, "admin", **quick)), True
     except (EndpointError, Unreachable) as exc:
@@ -346,7 +346,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     config = _effective_config(args)
     status, live = _admin_read(config, lambda client: client.status(), read_status)
-    results = Path(config["results"])
+    results = Path(config.results)
     seconds = closed_round_seconds(results, before=status["round"])
     closes = [
         json.loads(p.read_text()).get("closed_at") or 0.0
@@ -354,14 +354,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     ]
     open_since = max(closes) if live and closes else None
     progress = run_progress(
-        status, config["rounds"], seconds, evaluations(results), open_since, time.time()
+        status, config.rounds, seconds, evaluations(results), open_since, time.time()
     )
     if args.json:
         write_json(None, {**status, "live": live, "progress": progress})
         return 0
-    state = config["coordinator"]["state_dir"]
+    state = config.coordinator.state_dir
     where = "coordinator live" if live else f"coordinator stopped; read from {state}"
-    print(f"run {config['run_name']} ({where})")
+    print(f"run {config.run_name} ({where})")
     for line in progress_lines(progress, live):
         print(line)
     print(
@@ -386,7 +386,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     config = _effective_config(args)
     ledger, _ = _admin_read(config, lambda client: client.ledger(), read_ledger)
-    summary = write_report(config, list(load_sites(config)), Path(config["results"]), ledger)
+    summary = write_report(config, list(load_sites(config)), Path(config.results), ledger)
     from crossfed.progress import CONSOLE
 
     CONSOLE.info(
@@ -397,7 +397,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         f"{summary['tokens']:,}",
         ", ".join(summary["sites"]),
     )
-    print(f"metrics: {Path(config['results']) / 'metrics' / 'final.json'}")
+    print(f"metrics: {Path(config.results) / 'metrics' / 'final.json'}")
     return 0
 
 

@@ -20,6 +20,7 @@ from crossfed.backoff import Backoff
 from crossfed.fileio import write_atomic
 
 if TYPE_CHECKING:  # the client imports torch (weights on the wire): only clients need it
+    from crossfed.config import RunConfig
     from crossfed.coordinator.http_client import CoordinatorClient
 
 ENDPOINT = "endpoint.json"
@@ -47,12 +48,12 @@ def ensure_secrets(path: Path, sites: list[str]) -> dict[str, Any]:
     return data
 
 
-def token_for(config: dict[str, Any], who: str) -> str:
+def token_for(config: RunConfig, who: str) -> str:
     """``CROSSFED_TOKEN`` if set, else ``who``'s token ('admin' or a site) from the secrets file."""
     env = os.environ.get("CROSSFED_TOKEN")
     if env:
         return env
-    path = Path(config["coordinator"]["secrets"])
+    path = Path(config.coordinator.secrets)
     if not path.exists():
         raise EndpointError(f"no CROSSFED_TOKEN in the environment and no secrets file at {path}")
     data = yaml.safe_load(path.read_text()) or {}
@@ -62,11 +63,12 @@ def token_for(config: dict[str, Any], who: str) -> str:
     return str(token)
 
 
-def coordinator_url(config: dict[str, Any]) -> str:
-    url = config["coordinator"]["url"]
+def coordinator_url(config: RunConfig) -> str:
+    """The coordinator's URL: the config's, or the embedded one's from its endpoint file."""
+    url = config.coordinator.url
     if url != "embedded":
         return url
-    endpoint = Path(config["coordinator"]["state_dir"]) / ENDPOINT
+    endpoint = Path(config.coordinator.state_dir) / ENDPOINT
     if not endpoint.exists():
         raise EndpointError(
             f"embedded coordinator not running: {endpoint} missing (start it with "
@@ -75,26 +77,23 @@ def coordinator_url(config: dict[str, Any]) -> str:
     return json.loads(endpoint.read_text())["url"]
 
 
-def client_for(config: dict[str, Any], who: str, **kwargs: Any) -> CoordinatorClient:
+def client_for(config: RunConfig, who: str, **kwargs: Any) -> CoordinatorClient:
     """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``
     over ``transport.streams`` connections (a site's own ``streams`` first)."""
     from crossfed.coordinator.http_client import CoordinatorClient
-    from crossfed.wire.digests import PART_BYTES
 
-    transport = config.get("transport", {})
-    kwargs.setdefault("part_bytes", transport.get("part_bytes", PART_BYTES))
+    kwargs.setdefault("part_bytes", config.transport.part_bytes)
     kwargs.setdefault("streams", site_streams(config, who))
-    if "stream_min_bytes" in transport:
-        kwargs.setdefault("stream_min_bytes", transport["stream_min_bytes"])
-    kwargs.setdefault("blobs", config.get("blobs", {}).get("backend", "file"))
+    kwargs.setdefault("stream_min_bytes", config.transport.stream_min_bytes)
+    kwargs.setdefault("blobs", config.blobs.backend)
     return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
 
 
-def site_streams(config: dict[str, Any], who: str) -> int:
+def site_streams(config: RunConfig, who: str) -> int:
     """Connections per large transfer of ``who``: its sites-file ``streams``, else the
-    config's ``transport.streams`` (1 where neither is set)."""
-    default = int(config.get("transport", {}).get("streams", 1))
-    if who == "admin" or "sites_file" not in config:
+    config's ``transport.streams``."""
+    default = config.transport.streams
+    if who == "admin":
         return default
     from crossfed.config import load_sites
 
@@ -200,20 +199,21 @@ def wait_until_serving(
     raise EndpointError(f"coordinator did not answer on {url} within {timeout_s}s; see {log_path}")
 
 
-def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 120.0) -> str:
+def start_embedded(config: RunConfig, sites: list[str], timeout_s: float = 120.0) -> str:
     """Start the coordinator on loopback in the background (restarting a dead one); its URL."""
-    state_dir = Path(config["coordinator"]["state_dir"])
+    coordinator = config.coordinator
+    state_dir = Path(coordinator.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     stop_embedded(config)
-    secrets_path = Path(config["coordinator"]["secrets"])
+    secrets_path = Path(coordinator.secrets)
     ensure_secrets(secrets_path, sites)
-    host = config["coordinator"]["host"]
-    port = config["coordinator"]["port"] or free_port(host)
-    max_request_s = config["coordinator"].get("max_request_s")
+    host = coordinator.host
+    port = coordinator.port or free_port(host)
+    max_request_s = coordinator.max_request_s
     blobs = None
-    if config.get("blobs", {}).get("backend", "file") != "file":
+    if config.blobs.backend != "file":
         blobs = state_dir / BLOBS
-        write_atomic(blobs, yaml.safe_dump({"blobs": config["blobs"]}), mode=0o600)
+        write_atomic(blobs, yaml.safe_dump({"blobs": config.blobs.as_dict()}), mode=0o600)
     proc = spawn_coordinator(
         state_dir, secrets_path, host, port, timeout_s, max_request_s, blobs=blobs
     )
@@ -222,9 +222,9 @@ def start_embedded(config: dict[str, Any], sites: list[str], timeout_s: float = 
     return url
 
 
-def stop_embedded(config: dict[str, Any], timeout_s: float = 20.0) -> bool:
+def stop_embedded(config: RunConfig, timeout_s: float = 20.0) -> bool:
     """Stop the embedded coordinator (SIGTERM, then SIGKILL); True if one was running."""
-    endpoint = Path(config["coordinator"]["state_dir"]) / ENDPOINT
+    endpoint = Path(config.coordinator.state_dir) / ENDPOINT
     if not endpoint.exists():
         return False
     pid = json.loads(endpoint.read_text()).get("pid")

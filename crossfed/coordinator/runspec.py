@@ -13,7 +13,7 @@ from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.train.schedule import LRSchedule
 
 if TYPE_CHECKING:
-    from crossfed.config import SiteConfig
+    from crossfed.config import RunConfig, SiteConfig
 
 
 class RunSpecError(ValueError):
@@ -164,39 +164,47 @@ def describe(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.items())
 
 
-def run_spec(config: dict[str, Any], sites: Mapping[str, SiteConfig]) -> RunSpec:
+def run_spec(config: RunConfig, sites: Mapping[str, SiteConfig]) -> RunSpec:
     """The coordinator's view of a validated run config; the data's meta.json fixes N and the
     vocabulary (``crossfed run init`` sends it, a rerun compares against it)."""
     from pathlib import Path
 
     from crossfed.data.windows import read_meta
 
-    meta = read_meta(Path(config["data"]["dir"]))
-    inner = config["inner"]
+    meta = read_meta(Path(config.data.dir))
+    inner, outer, darl = config.inner, config.outer, config.darl
     return RunSpec(
         n_windows=int(meta["n_windows"]),
-        block_size=config["data"]["block_size"],
-        data_seed=config["data"]["seed"],
-        flavour=config["model"]["flavour"],
+        block_size=config.data.block_size,
+        data_seed=config.data.seed,
+        flavour=config.model.flavour,
         vocab_size=int(meta["vocab_size"]),
         seq_len=int(meta["seq_len"]),
-        model_seed=config["model"]["seed"],
-        inner_steps=inner["steps"],
+        model_seed=config.model.seed,
+        inner_steps=inner.steps,
         sites={name: site.ranks for name, site in sites.items()},
-        outer=OuterConfig(**config["outer"]),
+        outer=OuterConfig(
+            eta=outer.eta,
+            beta=outer.beta,
+            solo_full_step=outer.solo_full_step,
+            preset=outer.preset,
+        ),
         schedule=LRSchedule(
-            peak_lr=inner["lr"],
-            warmup_steps=inner["warmup_steps"],
-            total_steps=inner["steps"] * config["rounds"],
-            min_lr_factor=inner["min_lr_factor"],
+            peak_lr=inner.lr,
+            warmup_steps=inner.warmup_steps,
+            total_steps=inner.steps * config.rounds,
+            min_lr_factor=inner.min_lr_factor,
         ),
-        rounds=RoundPolicy(**config["round_policy"]),
+        rounds=RoundPolicy(
+            join_window_s=config.round_policy.join_window_s,
+            deadline_s=config.round_policy.deadline_s,
+        ),
         leases=LeasePolicy(
-            alpha=config["darl"]["alpha"],
-            beta_rtt=config["darl"]["beta_rtt"],
-            min_ttl_s=config["darl"]["min_ttl_s"],
-            initial_ttl_s=config["darl"]["initial_ttl_s"],
-            probe_share=config["darl"]["probe_share"],
+            alpha=darl.alpha,
+            beta_rtt=darl.beta_rtt,
+            min_ttl_s=darl.min_ttl_s,
+            initial_ttl_s=darl.initial_ttl_s,
+            probe_share=darl.probe_share,
         ),
-        second_moment=inner.get("second_moment"),
+        second_moment=inner.second_moment,
     )

@@ -123,12 +123,12 @@ def run(args: argparse.Namespace) -> int:
     if args.config is not None:
         from crossfed.config import load_run_config
 
-        data = load_run_config(args.config)["data"]
-        args.out, args.tokenizer = Path(data["dir"]), data["tokenizer"]
-        args.input = [Path(p) for p in data["inputs"]] or None
-        args.vocab_size, args.seq_len = data["vocab_size"], data["seq_len"]
-        args.val_fraction, args.shards = data["val_fraction"], data["shards"]
-        args.jobs = data["prepare_jobs"]
+        data = load_run_config(args.config).data
+        args.out, args.tokenizer = Path(data.dir), data.tokenizer
+        args.input = [Path(p) for p in data.inputs] or None
+        args.vocab_size, args.seq_len = data.vocab_size, data.seq_len
+        args.val_fraction, args.shards = data.val_fraction, data.shards
+        args.jobs = data.prepare_jobs
     if args.out is None:
         print("crossfed data prepare: error: --out (or --config) is required", file=sys.stderr)
         return 2

@@ -208,20 +208,20 @@ def _from_run_config(args: argparse.Namespace) -> None:
     round consumes; flags given explicitly win. Rules pass the config file rather than
     these numbers, so a rerun with more rounds changes no finished job's parameters.
     """
-    from crossfed.config import load_run_config, load_sites, tokens_per_round
+    from crossfed.config import load_run_config, load_sites
 
     config = load_run_config(Path(args.config))
     sites = load_sites(config)
     if args.sites is None:
-        args.sites = config["sites_file"]
+        args.sites = config.sites_file
     if args.target_units is None and args.target_tokens is None:
-        args.target_units = float(config["rounds"])
+        args.target_units = float(config.rounds)
     if args.units_per_round is None:
         args.units_per_round = 1.0
     if args.tokens_per_unit is None:
         args.tokens_per_unit = float(
             sum(
-                tokens_per_round(config, s.micro_batch * s.ranks * s.accumulation)
+                config.tokens_per_round(s.micro_batch * s.ranks * s.accumulation)
                 for s in sites.values()
             )
         )

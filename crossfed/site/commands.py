@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from crossfed.cmdline import add_config, add_threads, examples, group, run_config, write_json
-from crossfed.config import ConfigError, load_sites
+from crossfed.config import ConfigError, RunConfig, load_sites
 from crossfed.progress import site_prefix
 
 
-def _closed_round(config: dict[str, Any], site: str, round_no: int) -> dict[str, Any] | None:
+def _closed_round(config: RunConfig, site: str, round_no: int) -> dict[str, Any] | None:
     """A ``missed`` outcome when the coordinator has closed ``round_no`` already, else None.
 
     A late site's workflow has a job for every round before the one it joins; those end
@@ -22,7 +22,7 @@ def _closed_round(config: dict[str, Any], site: str, round_no: int) -> dict[str,
     """
     from crossfed.catchup import closed_detail, coordinator_round
 
-    if (Path(config["results"]) / "sites" / site / "pending.json").exists():
+    if (Path(config.results) / "sites" / site / "pending.json").exists():
         return None
     current = coordinator_round(config, site)
     if current is None or current <= round_no:
@@ -85,26 +85,26 @@ def cmd_site_run(args: argparse.Namespace) -> int:
 
     loss = "n/a" if outcome.loss_mean is None else f"{outcome.loss_mean:.4f}"
     print(
-        f"{args.site:<10} round {args.round}/{config['rounds']}  {outcome.status}: "
+        f"{args.site:<10} round {args.round}/{config.rounds}  {outcome.status}: "
         f"{outcome.tokens:,} tokens, loss {loss}, {outcome.tokens_per_s:,.0f} tok/s, "
         f"MFU {mfu_text(outcome.mfu)} {outcome.detail}".rstrip()
     )
     return 0
 
 
-def _site_chain(args: argparse.Namespace, config: dict[str, Any]) -> int:
+def _site_chain(args: argparse.Namespace, config: RunConfig) -> int:
     """Rounds back to back in one job (crossfed.site.loop); writes the chain outcome."""
     from crossfed.site.job import chain_job
     from crossfed.site.loop import ChainError
 
     template = args.round_out or str(
-        Path(config["results"]) / "rounds" / "{round}" / "train" / f"{args.site}.json"
+        Path(config.results) / "rounds" / "{round}" / "train" / f"{args.site}.json"
     )
     try:
         outcome = chain_job(
             config,
             args.site,
-            through_round=config["rounds"] if args.through_round == "run" else args.through_round,
+            through_round=config.rounds if args.through_round == "run" else args.through_round,
             plan_path=args.plan,
             until_walltime=args.until_walltime,
             round_out=template,

@@ -15,7 +15,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from crossfed.config import tokens_per_round
 from crossfed.fileio import write_atomic
 from crossfed.progress import site_prefix
 from crossfed.site.loop import (
@@ -32,16 +31,16 @@ from crossfed.site.loop import (
 from crossfed.site.slurm import slurm_allocation
 
 if TYPE_CHECKING:  # the runner imports torchtitan: only a training job needs it
-    from crossfed.config import SiteConfig
+    from crossfed.config import ConnectivitySection, RunConfig, SiteConfig
     from crossfed.site.records import SiteSettings
 
 
-def proxy_env(config: Mapping[str, Any]) -> dict[str, str]:
+def proxy_env(connectivity: ConnectivitySection) -> dict[str, str]:
     """Environment that sends the site's HTTP(S) requests through its forward proxy."""
-    proxy = config["connectivity"]["https_proxy"]
+    proxy = connectivity.https_proxy
     if not proxy:
         return {}
-    no_proxy = config["connectivity"]["no_proxy"]
+    no_proxy = connectivity.no_proxy
     return {
         "https_proxy": proxy,
         "HTTPS_PROXY": proxy,
@@ -63,7 +62,7 @@ def short_requests(site: Mapping[str, Any]) -> bool:
 
 
 def site_job(
-    config: dict[str, Any], site: str, plan_path: str | None
+    config: RunConfig, site: str, plan_path: str | None
 ) -> tuple[dict[str, Any], SiteSettings]:
     """What every site job reads before it trains, one round or many: the site (unknown:
     an error naming the sites), its plan entry ({} without a plan), its settings with the
@@ -78,24 +77,24 @@ def site_job(
     settings = site_settings(config, site, sites[site], accumulation)
     if short_requests(sites[site]):
         settings = replace(settings, inline_max_bytes=0)
-    os.environ.update(proxy_env(config))
+    os.environ.update(proxy_env(config.connectivity))
     return entry, settings
 
 
-def relaunch(config: dict[str, Any], site: str, argv: list[str]) -> int | None:
+def relaunch(config: RunConfig, site: str, argv: list[str]) -> int | None:
     """Under ``launcher: torchrun``, outside torchrun: run this job again as the site's ranks
     (one torchrun per node of the allocation) and return their exit code; else None."""
     from crossfed.config import load_sites
     from crossfed.site.slurm import relaunch_ranks
     from crossfed.train.distributed import under_torchrun
 
-    if config["launcher"]["kind"] != "torchrun" or under_torchrun():
+    if config.launcher.kind != "torchrun" or under_torchrun():
         return None
-    return relaunch_ranks(load_sites(config)[site].ranks, argv, config["launcher"])
+    return relaunch_ranks(load_sites(config)[site].ranks, argv, config.launcher)
 
 
 def chain_job(
-    config: dict[str, Any],
+    config: RunConfig,
     site: str,
     *,
     through_round: int,
@@ -133,19 +132,19 @@ def chain_job(
                 f"--until-walltime must be 'auto', 'none' or seconds, got {until_walltime!r}"
             ) from exc
     if deadline is not None:  # a round that runs long stops in time to send what it trained
-        stop_at = deadline - float(config["chain"]["margin_s"])
+        stop_at = deadline - float(config.chain.margin_s)
         settings = replace(settings, stop_training_at=stop_at)
-    prior = config["chain"]["round_prior_s"]
+    prior = config.chain.round_prior_s
     if prior is None:
         prior = round_prior_s(
-            tokens_per_round(config, settings.inner.windows_per_step), entry.get("tokens_per_s")
+            config.tokens_per_round(settings.inner.windows_per_step), entry.get("tokens_per_s")
         )
     chain = ChainSettings(
         through_round=through_round,
         deadline=deadline,
-        margin_s=float(config["chain"]["margin_s"]),
+        margin_s=float(config.chain.margin_s),
         prior_s=prior,
-        history_s=history_durations(read_records(config["results"], site), site),
+        history_s=history_durations(read_records(config.results, site), site),
     )
 
     def record(outcome: Any, seconds: float) -> None:
@@ -175,7 +174,7 @@ def chain_job(
             chain,
             share=lambda decision: broadcast_object(decision, ranks),
             on_round=record if ranks.main else None,
-            accumulation_for=lambda r: planned_accumulation(config["results"], site, r),
+            accumulation_for=lambda r: planned_accumulation(config.results, site, r),
             log=log if ranks.main else lambda _: None,
         )
     finally:
@@ -187,7 +186,7 @@ def chain_job(
 
 
 def site_settings(
-    config: dict[str, Any], site_name: str, site: SiteConfig, accumulation: int | None = None
+    config: RunConfig, site_name: str, site: SiteConfig, accumulation: int | None = None
 ) -> SiteSettings:
     """Settings of one site job; ``accumulation`` may come from the plan (filling the barrier)."""
     from crossfed.site.records import SiteSettings
@@ -195,36 +194,39 @@ def site_settings(
     from crossfed.train.inner import InnerConfig
     from crossfed.train.overlap import OverlapConfig
 
-    inner = config["inner"]
+    inner, transport, model, overlap = config.inner, config.transport, config.model, config.overlap
     return SiteSettings(
         site=site_name,
-        data_dir=Path(config["data"]["dir"]),
-        work_dir=Path(config["results"]) / "sites",
-        block_size=config["data"]["block_size"],
-        data_seed=config["data"]["seed"],
+        data_dir=Path(config.data.dir),
+        work_dir=Path(config.results) / "sites",
+        block_size=config.data.block_size,
+        data_seed=config.data.seed,
         inner=InnerConfig(
             micro_batch=site.micro_batch,
             ranks=site.ranks,
             accumulation=accumulation or site.accumulation,
-            weight_decay=inner["weight_decay"],
-            grad_clip=inner["grad_clip"],
+            weight_decay=inner.weight_decay,
+            grad_clip=inner.grad_clip,
             slowdown=site.slowdown,
             min_step_s=site.min_step_s,
         ),
-        heartbeat_s=config["darl"]["heartbeat_s"],
-        inline_max_bytes=config["transport"]["inline_max_bytes"],
-        compress=config["transport"]["compress"],
-        error_feedback=config["transport"]["error_feedback"],
-        device=config["model"]["device"],
-        launcher=config["launcher"]["kind"],
+        heartbeat_s=config.darl.heartbeat_s,
+        inline_max_bytes=transport.inline_max_bytes,
+        compress=transport.compress,
+        error_feedback=transport.error_feedback,
+        device=model.device,
+        launcher=config.launcher.kind,
         parallel=ParallelConfig(
-            compile=config["model"]["compile"],
-            activation_checkpointing=config["model"]["activation_checkpointing"],
+            compile=model.compile,
+            activation_checkpointing=model.activation_checkpointing,
         ),
-        checkpoint_every=inner["checkpoint_every"],
-        rounds=config["rounds"],
-        overlap=OverlapConfig(**config["overlap"]),
-        lease_wait_s=config["darl"]["initial_ttl_s"]
-        + config["round_policy"]["join_window_s"]
-        + 30.0,
+        checkpoint_every=inner.checkpoint_every,
+        rounds=config.rounds,
+        overlap=OverlapConfig(
+            enabled=overlap.enabled,
+            rule=overlap.rule,
+            alpha=overlap.alpha,
+            max_stale=overlap.max_stale,
+        ),
+        lease_wait_s=config.darl.initial_ttl_s + config.round_policy.join_window_s + 30.0,
     )

@@ -14,9 +14,12 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crossfed.site.loop import ChainError
+
+if TYPE_CHECKING:
+    from crossfed.config import LauncherSection
 
 _UNSET_TIMES = {"", "N/A", "NONE", "UNKNOWN", "UNLIMITED", "INVALID"}
 
@@ -124,7 +127,7 @@ def rendezvous_endpoint(address: str, port: int = 29400) -> str:
     return f"{address}:{port}"
 
 
-def relaunch_ranks(ranks: int, argv: Sequence[str], launcher: Mapping[str, Any]) -> int:
+def relaunch_ranks(ranks: int, argv: Sequence[str], launcher: LauncherSection) -> int:
     """Run ``crossfed <argv>`` again as ``ranks`` torchrun processes; their exit code.
 
     Inside a Slurm allocation of several nodes, ``srun`` starts one torchrun per node and
@@ -146,7 +149,7 @@ def relaunch_ranks(ranks: int, argv: Sequence[str], launcher: Mapping[str, Any])
     cmd = srun_per_node(alloc) + torchrun_argv(
         ranks // nodes,
         argv,
-        torchrun=launcher.get("command") or python_torchrun(),
+        torchrun=launcher.command or python_torchrun(),
         nnodes=nodes,
         rdzv_endpoint=rendezvous_endpoint(node_address(alloc.head)),
     )

@@ -23,7 +23,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
     config = run_config(args)
     try:
-        device = resolve_device(config["eval"].get("device", "auto"), "eval.device")
+        device = resolve_device(config.eval.device, "eval.device")
     except DistributedError as exc:
         raise ConfigError(str(exc)) from exc
     torch.set_num_threads(args.threads)
@@ -31,16 +31,16 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     path = client.download_model(args.generation, Path(args.model_out))
     download_s = time.perf_counter() - t0
-    val = WindowStore.open(Path(config["data"]["dir"]), "val")
-    model = build_model(config["model"]["flavour"], vocab_size=val.vocab_size, device=device)
+    val = WindowStore.open(Path(config.data.dir), "val")
+    model = build_model(config.model.flavour, vocab_size=val.vocab_size, device=device)
     load_parameters(model, load_file(str(path), device=device))
     t1 = time.perf_counter()
     loss, ppl = evaluate(
         model,
         val.windows,
         val.n_windows,
-        batch=config["eval"]["batch"],
-        max_windows=config["eval"]["max_windows"],
+        batch=config.eval.batch,
+        max_windows=config.eval.max_windows,
         device=device,
     )
     eval_s = time.perf_counter() - t1
@@ -49,7 +49,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     CONSOLE.info(
         "round %d/%d global model: held-out loss %.4f, perplexity %.2f (%s, %.1fs)",
         args.generation,
-        config["rounds"],
+        config.rounds,
         loss,
         ppl,
         device,
@@ -81,21 +81,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else None
     if model is None:
         found = sorted(
-            Path(config["results"]).glob("checkpoints/global-*.safetensors"),
+            Path(config.results).glob("checkpoints/global-*.safetensors"),
             key=lambda p: int(p.stem.rsplit("-", 1)[1]),
         )
         if not found:
-            raise ConfigError(f"no global model under {config['results']}/checkpoints; use --model")
+            raise ConfigError(f"no global model under {config.results}/checkpoints; use --model")
         model = found[-1]
     if not model.exists():
         raise ConfigError(f"model file not found: {model}")
-    data = Path(config["data"]["dir"])
+    data = Path(config.data.dir)
     meta = read_meta(data)
     tokenizer = data / "tokenizer.json"
     try:
         out = export_hf(
             without_moments(load_file(str(model))),
-            config["model"]["flavour"],
+            config.model.flavour,
             int(meta["vocab_size"]),
             Path(args.out),
             seq_len=int(meta["seq_len"]),

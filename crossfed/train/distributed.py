@@ -17,13 +17,16 @@ import shlex
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from crossfed.train.model import matching_parameters, parameters_of
+
+if TYPE_CHECKING:
+    from crossfed.config import LauncherSection
 
 LAUNCHERS = ("simulate", "torchrun")
 AC_MODES = ("none", "full", "selective")
@@ -303,21 +306,21 @@ def mfu(tokens_per_s: float, flops_per_token: float | None, device: str, gpus: i
     return tokens_per_s * flops_per_token / (peak * gpus)
 
 
-def relaunch_under_torchrun(ranks: int, argv: Sequence[str], launcher: Mapping[str, Any]) -> int:
+def relaunch_under_torchrun(ranks: int, argv: Sequence[str], launcher: LauncherSection) -> int:
     """Run ``crossfed <argv>`` again as ``ranks`` torchrun processes; returns their exit code.
 
     ``launcher`` is the run config's ``launcher`` section (command, nnodes, rdzv_endpoint).
     """
     import subprocess
 
-    nnodes = int(launcher.get("nnodes", 1))
+    nnodes = launcher.nnodes
     if ranks % nnodes:
         raise DistributedError(f"{ranks} ranks do not spread evenly over {nnodes} nodes")
     cmd = torchrun_argv(
         ranks // nnodes,
         argv,
-        torchrun=launcher.get("command") or python_torchrun(),
+        torchrun=launcher.command or python_torchrun(),
         nnodes=nnodes,
-        rdzv_endpoint=launcher.get("rdzv_endpoint"),
+        rdzv_endpoint=launcher.rdzv_endpoint,
     )
     return subprocess.call(cmd)

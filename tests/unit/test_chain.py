@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from crossfed.config import ConnectivitySection
 from crossfed.sched.sacct import parse_sacct, walltime_discount
 from crossfed.site.job import proxy_env, short_requests
 from crossfed.site.loop import (
@@ -317,11 +318,11 @@ def test_unplanned_site_falls_back_to_its_first_shape() -> None:
 
 def test_proxy_sites_send_deltas_as_separate_uploads_through_the_proxy() -> None:
     assert short_requests({"transport": "proxy"}) and not short_requests({"transport": "nat"})
-    config = {"connectivity": {"https_proxy": "http://proxy:3128", "no_proxy": "localhost"}}
-    env = proxy_env(config)
+    connectivity = ConnectivitySection(https_proxy="http://proxy:3128", no_proxy="localhost")
+    env = proxy_env(connectivity)
     assert env["https_proxy"] == env["HTTPS_PROXY"] == "http://proxy:3128"
     assert env["no_proxy"] == "localhost"
-    assert proxy_env({"connectivity": {"https_proxy": None, "no_proxy": ""}}) == {}
+    assert proxy_env(ConnectivitySection(https_proxy=None, no_proxy="")) == {}
 
 
 # ---------------------------------------------------------------------------- sacct rows

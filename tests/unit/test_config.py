@@ -6,8 +6,8 @@ unexpected exception's traceback) and the summaries it prints land in the log fi
 
 from __future__ import annotations
 
-import copy
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ SLURM = {**SITE, "scheduler": "slurm", "max_walltime_h": 48, "qos_max_nodes": 4,
 def sites_of(tmp_path: Path, sites: dict) -> dict:
     path = tmp_path / "sites.yaml"
     path.write_text(yaml.safe_dump({"sites": sites}, sort_keys=False))
-    return load_sites({"sites_file": str(path), "sites": []})
+    return load_sites(load_run_config(None, {"sites_file": str(path)}))
 
 
 def refused(tmp_path: Path, sites: dict) -> str:
@@ -62,8 +62,8 @@ def test_a_wrong_flavour_is_refused_naming_it_and_the_allowed_ones(tmp_path: Pat
 
 def test_a_known_flavour_and_its_settings_are_kept() -> None:
     config = load_run_config(None, {"model": {"flavour": "0.6B", "seed": 3}})
-    assert config["model"]["flavour"] == "0.6B" and config["model"]["seed"] == 3
-    assert config["model"]["device"] == "cpu"  # defaults still fill in
+    assert config.model.flavour == "0.6B" and config.model.seed == 3
+    assert config.model.device == "cpu"  # defaults still fill in
 
 
 def test_a_config_key_typo_suggests_the_key() -> None:
@@ -76,9 +76,8 @@ def test_check_run_refuses_a_bad_flavour_and_unknown_here_sites() -> None:
     config = load_run_config(None, {"here": ["lumi"]})
     check_run(config, sites)
     with pytest.raises(ConfigError, match=r"'here' names unknown sites \['lumj'\]"):
-        check_run({**config, "here": ["lumj"]}, sites)
-    bad = copy.deepcopy(config)
-    bad["model"]["flavour"] = "Tiny"
+        check_run(replace(config, here=("lumj",)), sites)
+    bad = replace(config, model=replace(config.model, flavour="Tiny"))
     with pytest.raises(ConfigError, match=r"workflow config: model/flavour: .*did you mean 'tiny'"):
         check_run(bad, sites)
 
@@ -144,7 +143,7 @@ def test_a_block_space_the_coordinator_cannot_hold_is_422_and_creates_nothing(
 )
 def test_every_sites_file_in_the_repo_validates_and_keeps_its_values(path: str) -> None:
     raw = yaml.safe_load((REPO / path).read_text())["sites"]
-    sites = load_sites({"sites_file": str(REPO / path), "sites": []})
+    sites = load_sites(load_run_config(None, {"sites_file": str(REPO / path)}))
     assert list(sites) == list(raw)
     for name, site in raw.items():
         for key, value in site.items():
@@ -309,10 +308,10 @@ def test_nested_command_line_values_arrive_typed() -> None:
         {"data": {"seq_len": "64", "inputs": ["7"], "tokenizer": "null"},
          "model": {"compile": "true"}, "transport": {"inline_max_bytes": "0"}},
     )  # fmt: skip
-    assert config["data"]["seq_len"] == 64
-    assert config["data"]["inputs"] == ["7"]  # a path stays a string
-    assert config["data"]["tokenizer"] == "null"  # string or null: a string is a string
-    assert config["model"]["compile"] is True and config["transport"]["inline_max_bytes"] == 0
+    assert config.data.seq_len == 64
+    assert config.data.inputs == ("7",)  # a path stays a string
+    assert config.data.tokenizer == "null"  # string or null: a string is a string
+    assert config.model.compile is True and config.transport.inline_max_bytes == 0
     with pytest.raises(ConfigError, match="seq_len"):
         load_run_config(None, {"data": {"seq_len": "sixty"}})
 
@@ -325,7 +324,7 @@ def test_the_inline_limit_is_one_number_in_the_schema_the_shipped_config_and_the
     default = schema["properties"]["transport"]["properties"]["inline_max_bytes"]["default"]
     shipped = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert default == shipped["transport"]["inline_max_bytes"] == INLINE_MAX_BYTES == 2 * 1024**3
-    assert load_run_config(None)["transport"]["inline_max_bytes"] == INLINE_MAX_BYTES
+    assert load_run_config(None).transport.inline_max_bytes == INLINE_MAX_BYTES
 
 
 def test_an_outer_preset_typo_is_refused_naming_it_and_the_presets() -> None:
@@ -334,7 +333,7 @@ def test_an_outer_preset_typo_is_refused_naming_it_and_the_presets() -> None:
     message = str(info.value)
     assert "outer/preset" in message and "'averag'" in message
     assert all(name in message for name in ("average", "paper", "tuned"))
-    assert load_run_config(None, {"outer": {"preset": "average"}})["outer"]["preset"] == "average"
+    assert load_run_config(None, {"outer": {"preset": "average"}}).outer.preset == "average"
 
 
 def test_the_schema_offers_exactly_the_outer_presets_the_code_runs() -> None:
@@ -359,11 +358,14 @@ def test_transfer_streams_come_from_the_config_and_a_site_may_set_its_own(
         yaml.safe_dump({"admin": "a", "sites": {"frontier": "f", "lumi": "l"}})
     )
     config = load_run_config(None, {"sites_file": str(sites)})
-    assert config["transport"]["streams"] == 8  # the default
-    config["coordinator"].update(url="http://127.0.0.1:9", secrets=str(tmp_path / "secrets.yaml"))
+    assert config.transport.streams == 8  # the default
+    coordinator = replace(
+        config.coordinator, url="http://127.0.0.1:9", secrets=str(tmp_path / "secrets.yaml")
+    )
+    config = replace(config, coordinator=coordinator)
     streams = {who: client_for(config, who).streams for who in ("frontier", "lumi", "admin")}
     assert streams == {"frontier": 16, "lumi": 8, "admin": 8}
-    config["transport"]["streams"] = 2
+    config = replace(config, transport=replace(config.transport, streams=2))
     assert client_for(config, "lumi").streams == 2
     assert "sites/lumi/streams: 0 is less than the minimum of 1" in refused(
         tmp_path, {"lumi": {**SITE, "streams": 0}}

@@ -51,9 +51,14 @@ def test_bad_overlap_settings_name_the_problem(tmp_path) -> None:
     with pytest.raises(ConfigError, match="overlap.rule"):
         load_run_config(path)
     config = load_run_config(write_yaml(tmp_path / "ok.yaml", {"overlap": {"enabled": True}}))
-    assert config["overlap"] == {"enabled": True, "rule": "rebase", "alpha": 0.5, "max_stale": 0.25}
+    assert config.overlap.as_dict() == {
+        "enabled": True,
+        "rule": "rebase",
+        "alpha": 0.5,
+        "max_stale": 0.25,
+    }
     plain = load_run_config(write_yaml(tmp_path / "off.yaml", {"overlap": {"enabled": False}}))
-    assert plain["overlap"]["enabled"] is False
-    assert load_run_config(None)["overlap"]["enabled"] is True  # on by default
+    assert plain.overlap.enabled is False
+    assert load_run_config(None).overlap.enabled is True  # on by default
     with pytest.raises(OverlapConfigError, match=r"overlap.max_stale must be in \(0, 1\]"):
         OverlapConfig.of({"max_stale": 0})

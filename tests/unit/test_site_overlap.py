@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from crossfed.config import load_run_config, load_sites
+from crossfed.config import RunConfig, load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.report import goodput
 from crossfed.site import SiteRunner
@@ -22,7 +22,7 @@ from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 ROUNDS = 3
 
 
-def overlap_config(tmp_path: Path, live: LiveCoordinator, data: Path) -> dict:
+def overlap_config(tmp_path: Path, live: LiveCoordinator, data: Path) -> RunConfig:
     sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
     for site in sites["sites"].values():
         site.update(ranks=1, micro_batch=4, accumulation=1, slowdown=1.0)

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from crossfed.config import load_run_config
 from crossfed.coordinator.blobs import BlobError, BlobStore, check_key
 from crossfed.coordinator.embedded import client_for, start_embedded, stop_embedded
 from crossfed.coordinator.http_client import CoordinatorClient, IntegrityError, Refused, Unreachable
@@ -28,6 +29,7 @@ from crossfed.coordinator.http_ranged import RangeError, parse_range
 from crossfed.wire.deltas import delta_of, save_delta
 from crossfed.wire.digests import DigestError, canonical_digest, digest_file, parse_digest
 from crossfed.wire.tensors import TensorSpec, open_tensors, save_stream, save_tensors
+from tests.conftest import REPO
 from tests.helpers.fake_coordinator import FakeCoordinator, blake
 from tests.helpers.live_app import Server
 
@@ -583,17 +585,22 @@ def test_the_configured_request_bound_reaches_a_real_coordinator_process(
     """``coordinator.max_request_s`` goes to ``crossfed coordinator serve --max-request-s``
     and ``transport.part_bytes`` to the client: downloads come in cut-short ranges."""
     state = tmp_path / "coordinator"
-    config = {
-        "coordinator": {
-            "url": "embedded",
-            "state_dir": str(state),
-            "secrets": str(state / "secrets.yaml"),
-            "host": "127.0.0.1",
-            "port": 0,
-            "max_request_s": 1e-6,  # every response is cut after its first chunk
+    sites_file = str(REPO / "config" / "sites.yaml")
+    config = load_run_config(
+        None,
+        {
+            "sites_file": sites_file,
+            "coordinator": {
+                "url": "embedded",
+                "state_dir": str(state),
+                "secrets": str(state / "secrets.yaml"),
+                "host": "127.0.0.1",
+                "port": 0,
+                "max_request_s": 1e-6,  # every response is cut after its first chunk
+            },
+            "transport": {"part_bytes": 32 * MiB, "streams": 1},
         },
-        "transport": {"part_bytes": 32 * MiB},
-    }
+    )
     url = start_embedded(config, ["lumi"])
     try:
         data = os.urandom(9 * MiB + 7)
@@ -609,8 +616,9 @@ def test_the_configured_request_bound_reaches_a_real_coordinator_process(
     finally:
         assert stop_embedded(config)
     monkeypatch.setenv("CROSSFED_TOKEN", "t")
-    config["transport"] = {}  # the default part size when the key is absent
-    assert client_for({**config, "coordinator": {"url": url}}, "lumi").part_bytes == 64 * MiB
+    # the default part size when the key is absent
+    config = load_run_config(None, {"sites_file": sites_file, "coordinator": {"url": url}})
+    assert client_for(config, "lumi").part_bytes == 64 * MiB
 
 
 def test_a_body_that_breaks_off_keeps_what_arrived(tmp_path: Path) -> None:
