@@ -14,9 +14,9 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
+from crossfed.backoff import Backoff
 from crossfed.testing import stop_process
 
 CONFIG = """\
@@ -73,15 +73,16 @@ class Squid:
             stdout=subprocess.DEVNULL,
             stderr=open(self.dir / "stderr.log", "ab"),  # noqa: SIM115 (the process keeps it)
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        backoff = Backoff(0.1, 0.1, budget_s=30.0)
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"squid exited: {self.log()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     return self.url
             except OSError:
-                time.sleep(0.1)
+                if not backoff.wait():
+                    break
         self.__exit__()
         raise RuntimeError(f"squid did not listen on {self.port}: {self.log()[-2000:]}")
 
