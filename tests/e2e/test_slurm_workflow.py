@@ -394,8 +394,10 @@ def test_multi_node_job_starts_one_torchrun_per_node(
     node's address (c10d rendezvous), and each starts its ranks (here `crossfed --help`)."""
     script = tmp_path / "launch.py"
     script.write_text(
+        "from crossfed.config import load_run_config\n"
         "from crossfed.site.slurm import relaunch_ranks\n"
-        "raise SystemExit(relaunch_ranks(4, ['--help'], {'command': ''}))\n"
+        "launcher = load_run_config(None, {'launcher': {'command': ''}}).launcher\n"
+        "raise SystemExit(relaunch_ranks(4, ['--help'], launcher))\n"
     )
     out = tmp_path / "launch.out"
     job = slurm_cluster.sbatch(
