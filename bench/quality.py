@@ -103,6 +103,7 @@ from crossfed.train.inner import (
     LeaseWindows,
     PhaseState,
     Trainer,
+    decay_groups,
     evaluate,
     make_optimizer,
     run_inner_phase,
@@ -323,11 +324,7 @@ class CombinedAdamW(torch.optim.Optimizer):
 
 def combined_optimizer(model: torch.nn.Module, inner: InnerConfig, sites: int) -> CombinedAdamW:
     """``make_optimizer``'s groups (decay on matrices only) under :class:`CombinedAdamW`."""
-    groups = [
-        {"params": [p for p in model.parameters() if p.ndim >= 2],
-         "weight_decay": inner.weight_decay},
-        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
-    ]  # fmt: skip
+    groups = decay_groups(model, inner.weight_decay)
     return CombinedAdamW(groups, lr=0.0, betas=inner.betas, sites=sites)
 
 

@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -225,14 +226,17 @@ class PhaseResult:
         )
 
 
-def make_optimizer(model: torch.nn.Module, config: InnerConfig, lr: float) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only, as torchtitan and nanoGPT do."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups with weight decay on matrices only, as torchtitan and nanoGPT do."""
+    return [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
     ]
+
+
+def make_optimizer(model: torch.nn.Module, config: InnerConfig, lr: float) -> torch.optim.AdamW:
+    """AdamW with decay on matrices only (:func:`decay_groups`)."""
+    groups = decay_groups(model, config.weight_decay)
     return torch.optim.AdamW(groups, lr=lr, betas=config.betas, fused=False)
 
 
