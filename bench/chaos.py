@@ -71,8 +71,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from crossfed.client.http import CoordinatorClient, Refused, Unreachable  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port  # noqa: E402
-from crossfed.coordinator.http_client import CoordinatorClient, Refused, Unreachable  # noqa: E402
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
 from crossfed.train.schedule import LRSchedule  # noqa: E402
 

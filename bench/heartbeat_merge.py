@@ -36,9 +36,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge import FLAVOURS, VOCAB, write_inputs  # noqa: E402
 
+from crossfed.client.http import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator  # noqa: E402
 from crossfed.coordinator.generations import read_shapes  # noqa: E402
-from crossfed.coordinator.http_client import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
 from crossfed.coordinator.service import MERGE_HOLDS_LOCK_ENV  # noqa: E402
 from crossfed.darl.blockspace import BlockSpace  # noqa: E402

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from crossfed.client.http import CoordinatorClient
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
-from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.wire.digests import sha256_file

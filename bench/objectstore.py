@@ -41,8 +41,8 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from crossfed.client.http import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator  # noqa: E402
-from crossfed.coordinator.http_client import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
 from crossfed.darl.blockspace import BlockSpace  # noqa: E402
 from tests.helpers.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS  # noqa: E402

@@ -431,7 +431,7 @@ class Soak:
         self.faults.append((kind, site, time.time()))
 
     def status(self) -> dict[str, Any] | None:
-        from crossfed.coordinator.http_client import CoordinatorClient, Refused, Unreachable
+        from crossfed.client.http import CoordinatorClient, Refused, Unreachable
 
         token = json.loads((self.root / "admin.json").read_text())["admin"]
         client = CoordinatorClient(f"http://{HOST}:{self.port}", token, retry_budget_s=2)
@@ -530,7 +530,7 @@ def fault_plan(config: SoakConfig, rng: random.Random) -> list[tuple[int, str, s
 
 def run_soak(root: Path, config: SoakConfig, data: Path) -> dict[str, Any]:
     """One run from a fresh coordinator to generation ``config.rounds``; its figures."""
-    from crossfed.coordinator.http_client import CoordinatorClient
+    from crossfed.client.http import CoordinatorClient
 
     root.mkdir(parents=True, exist_ok=True)
     disk = SmallDisk(root / "coordinator")

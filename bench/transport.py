@@ -49,8 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge import scaled_layout  # noqa: E402  (sibling benchmark: the Qwen3-0.6B layout)
 
+from crossfed.client.http import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port  # noqa: E402
-from crossfed.coordinator.http_client import CoordinatorClient  # noqa: E402
 from crossfed.wire.digests import iter_chunks  # noqa: E402
 from crossfed.wire.libc import keep_stream_buffers_in_heap  # noqa: E402
 from crossfed.wire.tensors import TensorSpec, save_stream  # noqa: E402

@@ -47,8 +47,8 @@ from transport import (  # noqa: E402  (sibling benchmark)
     write_model,
 )
 
+from crossfed.client.http import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port  # noqa: E402
-from crossfed.coordinator.http_client import CoordinatorClient  # noqa: E402
 from crossfed.testing.squid import Squid  # noqa: E402
 from crossfed.testing.tls import self_signed  # noqa: E402
 from crossfed.testing.wan_emulator import (  # noqa: E402

@@ -40,7 +40,7 @@ def coordinator_round(config: RunConfig, who: str = "admin") -> int | None:
     no token): the caller then does the round's work as always."""
     import httpx
 
-    from crossfed.coordinator.embedded import EndpointError, coordinator_url, token_for
+    from crossfed.client.reach import EndpointError, coordinator_url, token_for
 
     try:
         reply = httpx.get(

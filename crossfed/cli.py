@@ -223,8 +223,8 @@ def _run(argv: list[str] | None) -> int:
         print(f"crossfed: config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from crossfed.coordinator.embedded import EndpointError
-        from crossfed.coordinator.http_client import Refused, Unreachable
+        from crossfed.client.http import Refused, Unreachable
+        from crossfed.client.reach import EndpointError
 
         if isinstance(exc, Refused | Unreachable | EndpointError):
             print(f"crossfed: {exc}", file=sys.stderr)

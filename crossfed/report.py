@@ -472,7 +472,7 @@ def write_report(
     """Write metrics/final.json, metrics/rounds.csv, metrics/sites.csv, ledger.csv, plots and
     the tables as HTML pages (``report/``); the ledger from the running coordinator unless
     ``ledger_records`` (e.g. read from a stopped coordinator's state) are given."""
-    from crossfed.coordinator.embedded import client_for
+    from crossfed.client.reach import client_for
 
     metrics = results / "metrics"
     metrics.mkdir(parents=True, exist_ok=True)

@@ -18,15 +18,15 @@ import yaml
 from hypothesis import settings
 
 from crossfed import moments
+from crossfed.client.http import CoordinatorClient
+from crossfed.client.reach import EndpointError
 from crossfed.coordinator.embedded import (
-    EndpointError,
     ensure_secrets,
     free_port,
     launch_coordinator,
     spawn_coordinator,
     wait_until_serving,
 )
-from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.coordinator.service import Coordinator
 from crossfed.darl.blockspace import BlockSpace

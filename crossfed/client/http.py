@@ -22,7 +22,7 @@ import httpcore
 import httpx
 
 from crossfed.backoff import Backoff
-from crossfed.coordinator.transfer import (
+from crossfed.client.transfer import (
     MISMATCH_RETRIES,
     RETRY_STATUS,
     SPAN_ALIGN,
@@ -48,7 +48,7 @@ from crossfed.wire.digests import (
 from crossfed.wire.libc import start_writeback
 
 if TYPE_CHECKING:
-    from crossfed.coordinator.presigned import ObjectTransfers
+    from crossfed.client.presigned import ObjectTransfers
 
 log = logging.getLogger("crossfed.client")
 T = TypeVar("T")
@@ -507,7 +507,7 @@ class CoordinatorClient:
         return self.post(deltas, body)
 
     def _objects(self) -> ObjectTransfers:
-        from crossfed.coordinator.presigned import ObjectTransfers
+        from crossfed.client.presigned import ObjectTransfers
 
         return ObjectTransfers(self, self._store_http)
 

@@ -8,7 +8,7 @@ key. A part refused because its URL expired gets a fresh URL for the same upload
 store lost (it restarted) are sent again when the completion names them; a digest mismatch
 starts a new upload. A download fetches byte spans of the object in parallel and checks the
 whole file against its digest. Every request is retried through the client's backoff
-(:class:`crossfed.coordinator.transfer.Progress`) while it makes progress.
+(:class:`crossfed.client.transfer.Progress`) while it makes progress.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from crossfed.coordinator.transfer import (
+from crossfed.client.transfer import (
     MISMATCH_RETRIES,
     RETRY_STATUS,
     IntegrityError,
@@ -43,7 +43,7 @@ class Expired(Exception):
 
 class UrlClient(Protocol):
     """What presigned transfers ask of the coordinator's client
-    (:class:`crossfed.coordinator.http_client.CoordinatorClient`): the URLs, its retry
+    (:class:`crossfed.client.http.CoordinatorClient`): the URLs, its retry
     budget and its stream settings."""
 
     retry_budget_s: float

@@ -189,8 +189,8 @@ def _warn_schedule(status: dict[str, Any], spec: Any) -> None:
 
 
 def cmd_run_init(args: argparse.Namespace) -> int:
-    from crossfed.coordinator.embedded import client_for
-    from crossfed.coordinator.http_client import Refused
+    from crossfed.client.http import Refused
+    from crossfed.client.reach import client_for
     from crossfed.coordinator.runspec import run_spec
     from crossfed.outer import OuterConfig
 
@@ -232,7 +232,7 @@ def cmd_run_init(args: argparse.Namespace) -> int:
 
 
 def cmd_round_wait(args: argparse.Namespace) -> int:
-    from crossfed.coordinator.embedded import client_for
+    from crossfed.client.reach import client_for
 
     config = run_config(args)
     client = client_for(config, "admin")
@@ -283,7 +283,7 @@ def _round_progress(config: RunConfig, info: dict[str, Any]) -> None:
 def cmd_ledger(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from crossfed.coordinator.embedded import EndpointError, client_for
+    from crossfed.client.reach import EndpointError, client_for
 
     config = run_config(args)
     try:
@@ -319,8 +319,8 @@ def _admin_read(config: RunConfig, live: Any, stopped: Any) -> tuple[Any, bool]:
     """``live(client)`` from the running coordinator, else ``stopped(state_dir)`` from the
     state directory it left (an embedded coordinator that has stopped, or one out of reach
     whose state is on this machine). Returns the answer and whether it was live."""
-    from crossfed.coordinator.embedded import EndpointError, client_for
-    from crossfed.coordinator.http_client import Unreachable
+    from crossfed.client.http import Unreachable
+    from crossfed.client.reach import EndpointError, client_for
     from crossfed.coordinator.service import CoordinatorError
 
     state_dir = Path(config.coordinator.state_dir)

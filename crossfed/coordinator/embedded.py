@@ -1,5 +1,6 @@
-"""Where the coordinator is and how to talk to it: the embedded one a workflow starts on
-loopback, or a remote one named by URL; plus the secrets file of per-site tokens."""
+"""The embedded coordinator a workflow starts on loopback (started, waited for, stopped), and
+the secrets file of per-site tokens. How a caller reaches a coordinator, embedded or remote,
+is :mod:`crossfed.client.reach`."""
 
 from __future__ import annotations
 
@@ -17,19 +18,14 @@ import httpx
 import yaml
 
 from crossfed.backoff import Backoff
+from crossfed.client.reach import ENDPOINT, EndpointError
 from crossfed.fileio import write_atomic
 
-if TYPE_CHECKING:  # the client imports torch (weights on the wire): only clients need it
+if TYPE_CHECKING:
     from crossfed.config import RunConfig
-    from crossfed.coordinator.http_client import CoordinatorClient
 
-ENDPOINT = "endpoint.json"
 #: the run's ``blobs`` section, for an embedded coordinator that keeps them elsewhere
 BLOBS = "blobs.yaml"
-
-
-class EndpointError(RuntimeError):
-    """The coordinator cannot be located, started or reached."""
 
 
 def ensure_secrets(path: Path, sites: list[str]) -> dict[str, Any]:
@@ -46,59 +42,6 @@ def ensure_secrets(path: Path, sites: list[str]) -> dict[str, Any]:
     if changed:
         write_atomic(path, yaml.safe_dump(data), mode=0o600)
     return data
-
-
-def token_for(config: RunConfig, who: str) -> str:
-    """``CROSSFED_TOKEN`` if set, else ``who``'s token ('admin' or a site) from the secrets file."""
-    env = os.environ.get("CROSSFED_TOKEN")
-    if env:
-        return env
-    path = Path(config.coordinator.secrets)
-    if not path.exists():
-        raise EndpointError(f"no CROSSFED_TOKEN in the environment and no secrets file at {path}")
-    data = yaml.safe_load(path.read_text()) or {}
-    token = data.get("admin") if who == "admin" else data.get("sites", {}).get(who)
-    if not token:
-        raise EndpointError(f"secrets file {path} has no token for {who!r}")
-    return str(token)
-
-
-def coordinator_url(config: RunConfig) -> str:
-    """The coordinator's URL: the config's, or the embedded one's from its endpoint file."""
-    url = config.coordinator.url
-    if url != "embedded":
-        return url
-    endpoint = Path(config.coordinator.state_dir) / ENDPOINT
-    if not endpoint.exists():
-        raise EndpointError(
-            f"embedded coordinator not running: {endpoint} missing (start it with "
-            "'crossfed coordinator start --config ...' or run the workflow)"
-        )
-    return json.loads(endpoint.read_text())["url"]
-
-
-def client_for(config: RunConfig, who: str, **kwargs: Any) -> CoordinatorClient:
-    """A client of the run's coordinator as ``who``, moving weights in ``transport.part_bytes``
-    over ``transport.streams`` connections (a site's own ``streams`` first)."""
-    from crossfed.coordinator.http_client import CoordinatorClient
-
-    kwargs.setdefault("part_bytes", config.transport.part_bytes)
-    kwargs.setdefault("streams", site_streams(config, who))
-    kwargs.setdefault("stream_min_bytes", config.transport.stream_min_bytes)
-    kwargs.setdefault("blobs", config.blobs.backend)
-    return CoordinatorClient(coordinator_url(config), token_for(config, who), **kwargs)
-
-
-def site_streams(config: RunConfig, who: str) -> int:
-    """Connections per large transfer of ``who``: its sites-file ``streams``, else the
-    config's ``transport.streams``."""
-    default = config.transport.streams
-    if who == "admin":
-        return default
-    from crossfed.config import load_sites
-
-    site = load_sites(config).get(who)
-    return default if site is None or site.streams is None else site.streams
 
 
 def free_port(host: str) -> int:

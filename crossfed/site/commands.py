@@ -52,7 +52,7 @@ def cmd_site_run(args: argparse.Namespace) -> int:
             return 0
     import torch
 
-    from crossfed.coordinator.embedded import client_for
+    from crossfed.client.reach import client_for
     from crossfed.site import SiteRunner
     from crossfed.site.job import relaunch, site_job
     from crossfed.train.distributed import close_ranks, init_ranks

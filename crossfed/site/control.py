@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from crossfed.backoff import Backoff
-from crossfed.coordinator.http_client import CoordinatorClient, Refused
+from crossfed.client.http import CoordinatorClient, Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.fileio import keep_global_model
 from crossfed.progress import site_prefix

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from crossfed.backoff import Backoff
+from crossfed.client.http import STATUS_WAIT_S
 from crossfed.coordinator.faults import crash_point
-from crossfed.coordinator.http_client import STATUS_WAIT_S
 from crossfed.progress import site_prefix
 from crossfed.site.control import Control, Heartbeat
 from crossfed.site.records import PendingDelta, RoundOutcome

@@ -108,7 +108,7 @@ def chain_job(
     Under torchrun every rank calls this; rank 0 talks to the coordinator and returns the
     outcome, the other ranks return None.
     """
-    from crossfed.coordinator.embedded import client_for
+    from crossfed.client.reach import client_for
     from crossfed.site.runner import SiteRunner
     from crossfed.train.distributed import broadcast_object, close_ranks, init_ranks
 

@@ -45,8 +45,8 @@ import torch
 from safetensors.torch import load_file
 
 from crossfed import moments
+from crossfed.client.http import CoordinatorClient
 from crossfed.coordinator.faults import crash_point
-from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
 from crossfed.data.windows import WindowStore

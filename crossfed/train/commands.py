@@ -15,7 +15,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from crossfed.coordinator.embedded import client_for
+    from crossfed.client.reach import client_for
     from crossfed.data.windows import WindowStore
     from crossfed.train.distributed import DistributedError, resolve_device
     from crossfed.train.inner import evaluate

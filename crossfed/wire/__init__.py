@@ -7,6 +7,6 @@
 * :mod:`crossfed.wire.codecs`: int8 / int4 delta codecs and error feedback.
 
 Each module imports only those above it in this list, so the package has no import cycle;
-the HTTP transport that moves these files is :mod:`crossfed.coordinator.http_client` (site
+the HTTP transport that moves these files is :mod:`crossfed.client.http` (site
 side), :mod:`crossfed.coordinator.blobs` and :mod:`crossfed.coordinator.http_ranged`.
 """

@@ -25,8 +25,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from crossfed.client.http import CoordinatorClient
 from crossfed.coordinator.embedded import ensure_secrets, free_port
-from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.ledger import COMMITTED_TABLE

@@ -51,8 +51,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from crossfed.client.http import CoordinatorClient, Refused
 from crossfed.coordinator.embedded import free_port
-from crossfed.coordinator.http_client import CoordinatorClient, Refused
 from crossfed.darl.ledger import COMMITTED_TABLE
 from tests.helpers import workflow
 from tests.helpers.slurm_cluster import (

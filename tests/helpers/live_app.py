@@ -9,8 +9,8 @@ from pathlib import Path
 
 import uvicorn
 
+from crossfed.client.http import CoordinatorClient
 from crossfed.coordinator.app import KEEP_ALIVE_S, Tokens, create_app
-from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.coordinator.service import Coordinator
 
 #: the sites' tokens of :class:`Server`

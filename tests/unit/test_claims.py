@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from crossfed.client.http import Refused
 from crossfed.coordinator.embedded import wait_until_serving
-from crossfed.coordinator.http_client import Refused
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.windows import read_meta
 from crossfed.wire.digests import digest_file

@@ -16,8 +16,8 @@ import yaml
 
 import crossfed
 from crossfed.cli import build_parser, main
+from crossfed.client.http import CoordinatorClient, Refused
 from crossfed.coordinator.embedded import free_port, spawn_coordinator
-from crossfed.coordinator.http_client import CoordinatorClient, Refused
 from tests.conftest import REPO, stop, write_yaml
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from crossfed.coordinator.http_client import Refused
+from crossfed.client.http import Refused
 from crossfed.coordinator.service import Coordinator, CoordinatorError
 from crossfed.outer import outer_step, validate_delta
 from crossfed.wire.codecs import (

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from crossfed.cli import main
+from crossfed.client.http import Refused
 from crossfed.config import ConfigError, check_run, load_run_config, load_sites
-from crossfed.coordinator.http_client import Refused
 from crossfed.coordinator.runspec import RunSpec, RunSpecError
 from crossfed.fileio import INLINE_MAX_BYTES
 from crossfed.flavours import FLAVOURS, flavour_error
@@ -348,7 +348,7 @@ def test_the_schema_offers_exactly_the_outer_presets_the_code_runs() -> None:
 def test_transfer_streams_come_from_the_config_and_a_site_may_set_its_own(
     tmp_path: Path,
 ) -> None:
-    from crossfed.coordinator.embedded import client_for
+    from crossfed.client.reach import client_for
 
     sites = tmp_path / "sites.yaml"
     sites.write_text(

@@ -11,13 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from crossfed.coordinator.embedded import (
-    EndpointError,
-    ensure_secrets,
-    launch_coordinator,
-    wait_until_serving,
-)
-from crossfed.coordinator.http_client import Refused
+from crossfed.client.http import Refused
+from crossfed.client.reach import EndpointError
+from crossfed.coordinator.embedded import ensure_secrets, launch_coordinator, wait_until_serving
 from crossfed.darl.ledger import COMMITTED_TABLE, META_TABLE
 from tests.conftest import SITES, LiveCoordinator, digest_of, stop
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from crossfed.coordinator.http_client import Refused
+from crossfed.client.http import Refused
 from crossfed.coordinator.runspec import RoundPolicy
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.ledger import COMMITTED_TABLE

@@ -28,9 +28,9 @@ from safetensors.torch import save_file
 from schemathesis.checks import not_a_server_error
 from starlette.requests import ClientDisconnect
 
+from crossfed.client.http import Refused
 from crossfed.coordinator.embedded import ensure_secrets, free_port
 from crossfed.coordinator.guards import StatusCounter, StatusStats
-from crossfed.coordinator.http_client import Refused
 from crossfed.coordinator.runspec import LeasePolicy
 from tests.conftest import SITES, LiveCoordinator, start_process, tiny_spec
 from tests.unit.test_coordinator_http import (

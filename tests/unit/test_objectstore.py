@@ -18,8 +18,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from crossfed.client.http import Refused
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
-from crossfed.coordinator.http_client import Refused
 from crossfed.coordinator.objectstore import (
     ObjectStore,
     ObjectStoreError,

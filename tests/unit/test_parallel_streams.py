@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crossfed.coordinator.http_client import (
+from crossfed.client.http import (
     SPAN_ALIGN,
     CoordinatorClient,
     IntegrityError,

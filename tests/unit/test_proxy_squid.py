@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from crossfed.coordinator.http_client import CoordinatorClient
+from crossfed.client.http import CoordinatorClient
 from crossfed.testing.squid import Squid, squid_binary
 from crossfed.testing.tls import self_signed
 from crossfed.testing.wan_emulator import EmulatorProcess, Link

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 
+from crossfed.client.http import CoordinatorClient
 from crossfed.coordinator.blobs import BlobStore
-from crossfed.coordinator.http_client import CoordinatorClient
 from crossfed.wire.digests import digest_file
 from tests.conftest import LiveCoordinator
 from tests.unit.test_coordinator_http import (
@@ -174,7 +174,7 @@ def test_a_site_that_heartbeats_measures_its_rtt_without_asking_more(
 def test_a_long_poll_or_a_stale_sample_is_not_a_round_trip(
     run: LiveCoordinator, tiny_data: Path, monkeypatch
 ) -> None:
-    import crossfed.coordinator.http_client as http_client
+    import crossfed.client.http as http_client
 
     client = run.client("lumi")
     for _ in range(3):

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import yaml
 
+from crossfed.client.http import CoordinatorClient, Refused
 from crossfed.coordinator.app import Tokens, create_app
 from crossfed.coordinator.embedded import ensure_secrets, free_port
-from crossfed.coordinator.http_client import CoordinatorClient, Refused
 from crossfed.coordinator.service import Coordinator
 from crossfed.coordinator.status_page import session_value
 from crossfed.testing.tls import self_signed

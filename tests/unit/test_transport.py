@@ -21,10 +21,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from crossfed.client.http import CoordinatorClient, IntegrityError, Refused, Unreachable
+from crossfed.client.reach import client_for
 from crossfed.config import load_run_config
 from crossfed.coordinator.blobs import BlobError, BlobStore, check_key
-from crossfed.coordinator.embedded import client_for, start_embedded, stop_embedded
-from crossfed.coordinator.http_client import CoordinatorClient, IntegrityError, Refused, Unreachable
+from crossfed.coordinator.embedded import start_embedded, stop_embedded
 from crossfed.coordinator.http_ranged import RangeError, parse_range
 from crossfed.wire.deltas import delta_of, save_delta
 from crossfed.wire.digests import DigestError, canonical_digest, digest_file, parse_digest
@@ -456,7 +457,7 @@ def test_a_download_cut_at_the_request_deadline_resumes(tmp_path: Path) -> None:
 def test_downloads_read_the_socket_in_large_pieces(server: Server, tmp_path: Path) -> None:
     import httpcore
 
-    from crossfed.coordinator.http_client import RESPONSE_READ_BYTES
+    from crossfed.client.http import RESPONSE_READ_BYTES
 
     assert httpcore.HTTP11Connection.READ_NUM_BYTES >= RESPONSE_READ_BYTES  # set on import
     data = os.urandom(2 * RESPONSE_READ_BYTES + 7)  # pieces larger than one range: still whole
