@@ -134,6 +134,7 @@ class SiteRunner:
         self.optimizer: torch.optim.Optimizer | None = None
         self.flops_per_token: float | None = None
         self._restored = False
+        self._saving: checkpoint.BackgroundSave | None = None  # a mid-phase checkpoint
         # overlapped rounds: the round in flight (rank 0), the weights its delta was made
         # from (every rank), the outcomes its sends came to, the last phase's start
         self._inflight: InFlight | None = None
@@ -188,7 +189,9 @@ class SiteRunner:
         return out
 
     def finish(self) -> list[RoundOutcome]:
-        """The job ends: wait for the send in flight (not for its merge); every outcome left."""
+        """The job ends: wait for the send in flight (not for its merge) and a checkpoint
+        being written; every outcome left."""
+        self._saved()
         if self._inflight is not None:
             self._inflight.stop()
             self._inflight.wait_sent()
@@ -481,8 +484,25 @@ class SiteRunner:
         )  # fmt: skip
 
     def _save(self, cursor: Cursor) -> None:
+        """The end-of-phase checkpoint, published before the delta is written."""
         assert self.model is not None and self.optimizer is not None
+        self._saved()
         checkpoint.save(self.state_dir, self.model, self.optimizer, cursor.to_dict(), self.ranks)
+
+    def _save_in_background(self, cursor: Cursor) -> None:
+        """A mid-phase checkpoint: the state is copied and the step loop goes on while it is
+        written (the one before it published first)."""
+        assert self.model is not None and self.optimizer is not None
+        self._saved()
+        self._saving = checkpoint.save_in_background(
+            self.state_dir, self.model, self.optimizer, cursor.to_dict(), self.ranks
+        )
+
+    def _saved(self) -> None:
+        """Wait for the checkpoint being written in the background, if any, to be published."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.wait()
 
     def _checkpoint(
         self, round_no: int, start: RoundStart, state: PhaseState, outcome: RoundOutcome
@@ -586,7 +606,9 @@ class SiteRunner:
         state = run_inner_phase(
             trainer, self.store.windows, windows, schedule=fold.schedule,
             global_step=start.global_step, state=state, window_limit=limit, on_step=on_step,
-            checkpoint=lambda s: self._save(self._cursor(round_no, fold.start, s, "training")),
+            checkpoint=lambda s: self._save_in_background(
+                self._cursor(round_no, fold.start, s, "training")
+            ),
             checkpoint_every=self.s.checkpoint_every,
             before_step=fold.between_steps if start.early else None,
         )  # fmt: skip

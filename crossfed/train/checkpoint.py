@@ -6,6 +6,9 @@ process). A checkpoint is a directory ``ckpt-r<round>-s<step>-<status>/`` holdin
 ``cursor.json``; it counts only once ``latest.json`` names it. That pointer is replaced
 atomically (temp file, fsync, rename) by rank 0 after every rank has written, so a job killed
 at any instant leaves either the previous checkpoint or the new one, never a torn one.
+Mid-phase checkpoints are written in the background (:func:`save_in_background`, DCP's
+``async_save``): the state is copied at the call and the step loop goes on while the files
+are written; the pointer moves once they are complete, as with :func:`save`.
 
 With error feedback the site also keeps a residual (the fp32 part of its last sent delta that
 quantisation dropped): ``residual.safetensors`` beside the checkpoints, tagged with the
@@ -22,6 +25,7 @@ import json
 import logging
 import shutil
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from crossfed.fileio import replace_durably, write_atomic
-from crossfed.train.distributed import Ranks, barrier
+from crossfed.train.distributed import Ranks, barrier, checkpoint_group
 from crossfed.train.model import parameters_of
 
 POINTER = "latest.json"
@@ -44,6 +48,11 @@ GENERATION_KEY = "crossfed.generation"
 ROUND_KEY = "crossfed.round"
 
 log = logging.getLogger(__name__)
+# DCP warns on every call in one process that it assumes one process; a background save
+# warns from its own thread, where a caller's ``catch_warnings`` does not reach
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled", module=r"torch\.distributed\.checkpoint"
+)
 
 
 class CheckpointError(RuntimeError):
@@ -81,30 +90,101 @@ def save(
     ranks: Ranks,
 ) -> Path:
     """Write model, optimiser and ``cursor`` (collective: every rank calls), then publish it."""
-    state_dir = Path(state_dir)
-    name = f"ckpt-r{int(cursor['round']):05d}-s{int(cursor['steps']):06d}-{cursor['status']}"
-    path = state_dir / name
-    current = latest(state_dir)  # every rank reads it: the early return must agree
-    if current is not None and Path(current["path"]).name == name:
-        return path  # this very state is already published
+    path = _prepare(state_dir, cursor, ranks)
+    if path is None:
+        return _path_of(state_dir, cursor)
+    dcp.save(_state(model, optimizer), checkpoint_id=str(path))
+    barrier(ranks)
     if ranks.main:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        _publish(Path(state_dir), path, cursor, ranks)
+    barrier(ranks)
+    return path
+
+
+class BackgroundSave:
+    """A checkpoint being written by DCP's background thread (``dcp.async_save``): the
+    state was copied before :func:`save_in_background` returned, so training goes on while
+    the files are written; rank 0 publishes it (``latest.json``) once every rank's files
+    are complete. :meth:`wait` blocks until then and raises what the write raised."""
+
+    def __init__(self, future: Future | None, path: Path) -> None:
+        self.future, self.path = future, path
+
+    def wait(self) -> Path:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+        return self.path
+
+
+def save_in_background(
+    state_dir: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cursor: dict[str, Any],
+    ranks: Ranks,
+) -> BackgroundSave:
+    """:func:`save` whose writing and publishing happen in the background (collective: every
+    rank calls it, one save in flight at a time: wait for the last one first). A job killed
+    before it is published leaves the checkpoint before it, as a killed :func:`save` does.
+    Several ranks write over a gloo group of their own (``checkpoint_group``), so the
+    background collectives never meet the training's."""
+    path = _prepare(state_dir, cursor, ranks)
+    if path is None:
+        return BackgroundSave(None, _path_of(state_dir, cursor))
+    written = dcp.async_save(
+        _state(model, optimizer), checkpoint_id=str(path), process_group=checkpoint_group()
+    )
+    assert isinstance(written, Future)  # the thread checkpointer's answer
+    if not ranks.main:
+        return BackgroundSave(written, path)
+    published: Future = Future()
+
+    def publish(done: Future) -> None:
+        try:
+            done.result()
+            _publish(Path(state_dir), path, cursor, ranks)
+        except BaseException as exc:  # surfaces in wait(), on the step loop's thread
+            published.set_exception(exc)
+        else:
+            published.set_result(path)
+
+    written.add_done_callback(publish)
+    return BackgroundSave(published, path)
+
+
+def _path_of(state_dir: Path, cursor: dict[str, Any]) -> Path:
+    name = f"ckpt-r{int(cursor['round']):05d}-s{int(cursor['steps']):06d}-{cursor['status']}"
+    return Path(state_dir) / name
+
+
+def _prepare(state_dir: Path, cursor: dict[str, Any], ranks: Ranks) -> Path | None:
+    """The folder ``cursor``'s checkpoint goes to, cleared of a torn attempt (all ranks
+    wait); None when that very state is published already."""
+    path = _path_of(state_dir, cursor)
+    current = latest(state_dir)  # every rank reads it: the early return must agree
+    if current is not None and Path(current["path"]).name == path.name:
+        return None
+    if ranks.main:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
         if path.exists():  # a torn attempt of a killed job, or the checkpoint we replace
             shutil.rmtree(path)
     barrier(ranks)
-    state = {"model": _model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    with warnings.catch_warnings():  # one process: DCP says it assumes so on every call
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(path))
-    barrier(ranks)
-    if ranks.main:
-        _write_json_atomic(path / CURSOR, {**cursor, "world": ranks.world})
-        _write_json_atomic(state_dir / POINTER, {"checkpoint": name})
-        for old in state_dir.glob("ckpt-*"):
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
-    barrier(ranks)
     return path
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": _model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def _publish(state_dir: Path, path: Path, cursor: dict[str, Any], ranks: Ranks) -> None:
+    """Rank 0, once every rank's files are written: the cursor, then the pointer (the
+    checkpoint counts from here), then the older checkpoints go."""
+    _write_json_atomic(path / CURSOR, {**cursor, "world": ranks.world})
+    _write_json_atomic(state_dir / POINTER, {"checkpoint": path.name})
+    for old in state_dir.glob("ckpt-*"):
+        if old.name != path.name:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def load(
@@ -120,9 +200,7 @@ def load(
     if weights:
         state["model"] = _model_state(model)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path))
     except Exception as exc:  # DCP raises several kinds for missing/mismatched entries
         raise CheckpointError(f"{path}: cannot load into this model: {exc}") from exc
     set_optimizer_state_dict(model, optimizer, state["optim"])

@@ -79,12 +79,16 @@ def under_torchrun() -> bool:
 #: decisions): they travel between the hosts and never wait for the device, so a rank's host
 #: can queue its next step while the GPU still runs the last one
 _control_group: Any = None
+#: a gloo group over all ranks for checkpoints written in the background
+#: (``checkpoint.save_in_background``): their collectives run on DCP's thread beside the
+#: training's, so they get a group of their own
+_checkpoint_group: Any = None
 
 
 def init_ranks(device: str) -> Ranks:
     """Join torchrun's process group (NCCL/RCCL on GPU, gloo on CPU) and a gloo control
     group beside it; one process: no groups."""
-    global _control_group
+    global _control_group, _checkpoint_group
     if not under_torchrun():
         return Ranks()
     world = int(os.environ["WORLD_SIZE"])
@@ -96,14 +100,20 @@ def init_ranks(device: str) -> Ranks:
         dist.init_process_group(backend)
     if world > 1 and _control_group is None:
         _control_group = dist.new_group(backend="gloo")
+        _checkpoint_group = dist.new_group(backend="gloo")
     return Ranks(world=world, rank=rank, local_rank=local)
 
 
 def close_ranks(ranks: Ranks) -> None:
-    global _control_group
+    global _control_group, _checkpoint_group
     if ranks.distributed and dist.is_initialized():
         dist.destroy_process_group()
-    _control_group = None
+    _control_group = _checkpoint_group = None
+
+
+def checkpoint_group() -> Any:
+    """The process group of background checkpoints (None in one process)."""
+    return _checkpoint_group
 
 
 def resolve_device(device: str, what: str) -> str:

@@ -44,6 +44,11 @@ class Smoke:
 
 SMOKES = [
     Smoke(
+        "bench/checkpoint.py",
+        "--flavour tiny --repeats 1 --dir {tmp}",
+        ("stall_s_foreground", "stall_s_background", "write_s_background", "stall_ratio"),
+    ),
+    Smoke(
         "bench/compression.py",
         "--params 1000000 --rounds 1 --inner-steps 1 --batch 1 --eval-windows 4",
         ("bytes_ratio_4bit", "loss_rel_diff_4bit"),

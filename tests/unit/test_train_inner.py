@@ -270,6 +270,58 @@ def test_checkpoint_pointer_names_only_complete_checkpoints(
         checkpoint.latest(tmp_path)
 
 
+def test_a_background_checkpoint_holds_the_state_of_its_call_while_training_goes_on(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """A mid-phase checkpoint written in the background: the steps taken while it is written
+    change neither the weights nor the AdamW state it saves, and the pointer moves to it
+    only once it is complete."""
+    store = WindowStore.open(tiny_data, "train")
+    lease = LeaseWindows.of([(0, 48)])
+    config = InnerConfig(micro_batch=4, ranks=2, accumulation=1)
+    torch.manual_seed(0)
+    model = _model(store.vocab_size)
+    trainer = Trainer(model, make_optimizer(model, config, lr=0.0), config)
+    first = {"round": 1, "status": "training", "steps": 0, "windows": 0}
+    checkpoint.save(tmp_path, model, trainer.optimizer, first, Ranks())
+    saved: list[tuple[dict, dict, checkpoint.BackgroundSave]] = []
+
+    def save_once(state: PhaseState) -> None:
+        if saved:
+            return
+        cursor = {"round": 1, "status": "training", **state.to_dict()}
+        weights = {k: v.detach().clone() for k, v in parameters_of(model).items()}
+        moments = {
+            k: trainer.optimizer.state[p]["exp_avg_sq"].clone()
+            for k, p in parameters_of(model).items()
+        }
+        pending = checkpoint.save_in_background(tmp_path, model, trainer.optimizer, cursor, Ranks())
+        saved.append((weights, moments, pending))
+
+    run_inner_phase(
+        trainer,
+        store.windows,
+        lease,
+        schedule=SCHEDULE,
+        global_step=0,
+        checkpoint=save_once,
+        checkpoint_every=1,
+    )  # fmt: skip: four more steps ran while the first checkpoint was written
+    weights, moments, pending = saved[0]
+    assert pending.wait().name == "ckpt-r00001-s000001-training"
+    cursor = checkpoint.latest(tmp_path)
+    assert cursor is not None and cursor["steps"] == 1 and cursor["windows"] == 8
+    assert [p.name for p in tmp_path.glob("ckpt-*")] == [pending.path.name]
+    moved = parameters_of(model)
+    assert any(not torch.equal(moved[k], weights[k]) for k in weights)  # training went on
+    fresh = _model(store.vocab_size, seed=5)
+    optimizer = make_optimizer(fresh, config, lr=0.0)
+    checkpoint.load(cursor, fresh, optimizer, weights=True)
+    for name, p in parameters_of(fresh).items():
+        assert torch.equal(p, weights[name]), name
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], moments[name]), name
+
+
 def test_the_held_out_split_is_outside_the_leasable_block_space(tiny_data: Path) -> None:
     train, val = WindowStore.open(tiny_data, "train"), WindowStore.open(tiny_data, "val")
     space = BlockSpace(train.n_windows, 8, 7)
