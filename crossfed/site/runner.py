@@ -11,8 +11,10 @@ Crash safety, in order of where a job dies:
   continues it from the cursor: no window is retrained or skipped. If the lease has expired
   its blocks went back to the pool, so the checkpoint's weights and cursor are dropped and the
   job leases anew.
-* after the end-of-phase checkpoint: the checkpointed delta is resent when the job restarts
-  (the coordinator answers idempotently per lease).
+* after the end of the phase: the end-of-phase checkpoint is written in the background while
+  the delta is (the state copied first, as mid-phase), and published before the delta's
+  pending record is written; from then on a restarted job sends the delta (again: the
+  coordinator answers idempotently per lease) without training the phase again.
 
 Inner optimiser state persists across rounds, as in DiLoCo: a site that adopts a newer global
 model (the next round, or after missing rounds) keeps its AdamW moments and step count, and
@@ -189,9 +191,7 @@ class SiteRunner:
         return out
 
     def finish(self) -> list[RoundOutcome]:
-        """The job ends: wait for the send in flight (not for its merge) and a checkpoint
-        being written; every outcome left."""
-        self._saved()
+        """The job ends: wait for the send in flight (not for its merge); every outcome left."""
         if self._inflight is not None:
             self._inflight.stop()
             self._inflight.wait_sent()
@@ -459,6 +459,7 @@ class SiteRunner:
         finally:
             if not handed_over:
                 beat.__exit__(None, None, None)
+            self._saved()  # every rank: a phase ends with its checkpoints written
 
     def _outcome(self, round_no: int, start: RoundStart, state: PhaseState) -> RoundOutcome:
         """The round's outcome as trained (accepted until the send says otherwise)."""
@@ -483,15 +484,10 @@ class SiteRunner:
             accumulation=self.s.inner.accumulation, phase=state,
         )  # fmt: skip
 
-    def _save(self, cursor: Cursor) -> None:
-        """The end-of-phase checkpoint, published before the delta is written."""
-        assert self.model is not None and self.optimizer is not None
-        self._saved()
-        checkpoint.save(self.state_dir, self.model, self.optimizer, cursor.to_dict(), self.ranks)
-
     def _save_in_background(self, cursor: Cursor) -> None:
-        """A mid-phase checkpoint: the state is copied and the step loop goes on while it is
-        written (the one before it published first)."""
+        """A checkpoint (mid-phase, or the phase's end): the state is copied and training,
+        or the delta's writing and sending, go on while it is written (the one before it
+        published first)."""
         assert self.model is not None and self.optimizer is not None
         self._saved()
         self._saving = checkpoint.save_in_background(
@@ -507,14 +503,15 @@ class SiteRunner:
     def _checkpoint(
         self, round_no: int, start: RoundStart, state: PhaseState, outcome: RoundOutcome
     ) -> PendingDelta | None:
-        """Model, optimiser and cursor (DCP), the delta and the pending record: all before the
-        commit. Collective; rank 0 returns the pending record."""
+        """Model, optimiser and cursor (DCP, written in the background while the delta is),
+        then the pending record: all before the commit. Collective; rank 0 returns the
+        pending record."""
         assert self.model is not None
         t1 = time.perf_counter()
         params = full_parameters(self.model)
         assert self.optimizer is not None  # the factors travel with the delta (collective)
         factors = moments.state_factors(parameters_of(self.model), self.optimizer)
-        self._save(self._cursor(round_no, start, state, "done"))
+        self._save_in_background(self._cursor(round_no, start, state, "done"))
         pending = None
         if self.ranks.main:
             delta_path = self.dir / f"delta-r{round_no:05d}.safetensors"
@@ -543,7 +540,8 @@ class SiteRunner:
                 residual=str(residual_path) if residual_path else None,
                 idle_s=outcome.merge_wait_s,
             )  # fmt: skip
-            self._write_pending(pending)
+            self._saved()  # published before the delta's record: a job killed from here on
+            self._write_pending(pending)  # sends the delta without training the phase again
         self._sent = params if self.overlapped else None  # what the next phase folds from
         del params
         outcome.checkpoint_s = state.checkpoint_s + time.perf_counter() - t1

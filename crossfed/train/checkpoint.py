@@ -162,6 +162,7 @@ def _prepare(state_dir: Path, cursor: dict[str, Any], ranks: Ranks) -> Path | No
     """The folder ``cursor``'s checkpoint goes to, cleared of a torn attempt (all ranks
     wait); None when that very state is published already."""
     path = _path_of(state_dir, cursor)
+    barrier(ranks)  # rank 0 has published the checkpoint before (waited for on every rank)
     current = latest(state_dir)  # every rank reads it: the early return must agree
     if current is not None and Path(current["path"]).name == path.name:
         return None
