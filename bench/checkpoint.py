@@ -1,10 +1,10 @@
-"""Benchmark: how long a mid-phase checkpoint stops the step loop, written in the foreground
-against in the background, side by side.
+"""Benchmark: how long a checkpoint stops the step loop, written in the foreground against
+in the background, side by side.
 
 A site checkpoints its model, AdamW state and data cursor every ``inner.checkpoint_every``
 steps. Written in the foreground (``crossfed.train.checkpoint.save``) the step loop waits
 for every byte; written in the background (``save_in_background``, DCP's ``async_save``, what
-a site does mid-phase) it waits only for the state's copy, and the files are written while
+a site does) it waits only for the state's copy, and the files are written while
 the next steps train. Both write the same state of one torchtitan Qwen3 (AdamW state filled
 by one step on random gradients) into one folder, alternating which goes first (this
 machine is shared). The last line printed is one JSON object: per mode the median seconds

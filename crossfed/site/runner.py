@@ -7,10 +7,10 @@ record) -> send the delta, which commits the blocks in the same coordinator tran
 Crash safety, in order of where a job dies:
 
 * mid-phase: every ``checkpoint_every`` steps the model, inner AdamW state and data cursor
-  are checkpointed (DCP, atomic). A restarted job in the same round whose lease is still alive
-  continues it from the cursor: no window is retrained or skipped. If the lease has expired
-  its blocks went back to the pool, so the checkpoint's weights and cursor are dropped and the
-  job leases anew.
+  are checkpointed (DCP, atomic, written in the background while the next steps train). A
+  restarted job in the same round whose lease is still alive continues it from the cursor:
+  no window is retrained or skipped. If the lease has expired its blocks went back to the
+  pool, so the checkpoint's weights and cursor are dropped and the job leases anew.
 * after the end of the phase: the end-of-phase checkpoint is written in the background while
   the delta is (the state copied first, as mid-phase), and published before the delta's
   pending record is written; from then on a restarted job sends the delta (again: the
@@ -136,7 +136,7 @@ class SiteRunner:
         self.optimizer: torch.optim.Optimizer | None = None
         self.flops_per_token: float | None = None
         self._restored = False
-        self._saving: checkpoint.BackgroundSave | None = None  # a mid-phase checkpoint
+        self._saving: checkpoint.BackgroundSave | None = None  # a checkpoint being written
         # overlapped rounds: the round in flight (rank 0), the weights its delta was made
         # from (every rank), the outcomes its sends came to, the last phase's start
         self._inflight: InFlight | None = None

@@ -6,9 +6,10 @@ process). A checkpoint is a directory ``ckpt-r<round>-s<step>-<status>/`` holdin
 ``cursor.json``; it counts only once ``latest.json`` names it. That pointer is replaced
 atomically (temp file, fsync, rename) by rank 0 after every rank has written, so a job killed
 at any instant leaves either the previous checkpoint or the new one, never a torn one.
-Mid-phase checkpoints are written in the background (:func:`save_in_background`, DCP's
-``async_save``): the state is copied at the call and the step loop goes on while the files
-are written; the pointer moves once they are complete, as with :func:`save`.
+A site writes its checkpoints, mid-phase and at the phase's end, in the background
+(:func:`save_in_background`, DCP's ``async_save``): the state is copied at the call and
+training (or the delta's writing) goes on while the files are written; the pointer moves
+once they are complete, as with :func:`save`.
 
 With error feedback the site also keeps a residual (the fp32 part of its last sent delta that
 quantisation dropped): ``residual.safetensors`` beside the checkpoints, tagged with the
