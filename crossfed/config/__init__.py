@@ -44,9 +44,11 @@ from crossfed.config.sites import (
     Shape,
     SiteConfig,
     SitesConfigError,
+    SitesFile,
     load_sites_yaml,
     parse_site,
     parse_sites,
+    read_sites,
     read_sites_file,
 )
 
@@ -72,6 +74,7 @@ __all__ = [
     "Shape",
     "SiteConfig",
     "SitesConfigError",
+    "SitesFile",
     "SlurmDurationError",
     "SoftwareSection",
     "TransportSection",
@@ -85,6 +88,7 @@ __all__ = [
     "parse_site",
     "parse_sites",
     "parse_slurm_duration",
+    "read_sites",
     "read_sites_file",
     "read_yaml",
     "validate",

@@ -8,7 +8,7 @@ from typing import Any
 
 from crossfed.config.run import RunConfig
 from crossfed.config.schema import ConfigError, read_yaml, validate
-from crossfed.config.sites import SiteConfig, SitesConfigError, parse_site
+from crossfed.config.sites import SiteConfig, read_sites
 from crossfed.flavours import flavour_error
 
 
@@ -52,17 +52,9 @@ def load_sites(config: RunConfig) -> dict[str, SiteConfig]:
     fields, and the schema-validated mapping (defaults filled in) it was built from.
     """
     path = Path(config.sites_file)
-    sites = validate(read_yaml(path), "sites.schema.yaml", str(path))["sites"]
-    for name, site in sites.items():
-        names = [shape["name"] for shape in site["shapes"]]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ConfigError(f"{path}: sites/{name}/shapes: shape names used twice: {twice}")
+    sites = read_sites(path).sites
     wanted = list(config.sites) or list(sites)
     unknown = [name for name in wanted if name not in sites]
     if unknown:
         raise ConfigError(f"config 'sites' names unknown sites {unknown}; {path} has {list(sites)}")
-    try:
-        return {name: parse_site(name, sites[name]) for name in wanted}
-    except SitesConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+    return {name: sites[name] for name in wanted}

@@ -76,7 +76,9 @@ def _typed(value: Any, schema: dict[str, Any]) -> Any:
     """
     if isinstance(value, dict):
         props = schema.get("properties", {})
-        return {k: _typed(v, props.get(k, {})) for k, v in value.items()}
+        rest = schema.get("additionalProperties")
+        rest = rest if isinstance(rest, dict) else {}
+        return {k: _typed(v, props.get(k, rest)) for k, v in value.items()}
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [_typed(v, schema["items"]) for v in value]
     kinds = schema.get("type")
@@ -87,6 +89,11 @@ def _typed(value: Any, schema: dict[str, Any]) -> Any:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:
         return value
+    if isinstance(parsed, str) and "number" in kinds:  # YAML 1.1 reads 1.2e4 as a string
+        try:
+            parsed = float(parsed)
+        except ValueError:
+            return value
     wanted = tuple(t for k in kinds if k in _SCALARS for t in _as_tuple(_SCALARS[k]))
     if isinstance(parsed, wanted) and not (isinstance(parsed, bool) and bool not in wanted):
         return parsed
@@ -97,12 +104,14 @@ def _as_tuple(kinds: Any) -> tuple[type, ...]:
     return kinds if isinstance(kinds, tuple) else (kinds,)
 
 
-def validate(data: dict[str, Any], schema_name: str, source: str) -> dict[str, Any]:
-    """Validate ``data`` against ``workflow/schemas/<schema_name>``, filling defaults.
+def validate(data: dict[str, Any], schema: str | dict[str, Any], source: str) -> dict[str, Any]:
+    """Validate ``data`` against a schema (a file name under ``workflow/schemas/``, or the
+    schema itself), filling defaults.
 
     Every problem is named in one ConfigError: where it is, and the likely fix.
     """
-    schema = yaml.safe_load((SCHEMAS / schema_name).read_text())
+    if isinstance(schema, str):
+        schema = yaml.safe_load((SCHEMAS / schema).read_text())
     data = _typed(copy.deepcopy(data), schema)
     # defaults of nested objects appear only once their parent exists: validate twice
     for _ in range(2):

@@ -1,8 +1,8 @@
 """The run's sites (``config/sites.yaml``): one type, ``SiteConfig``, for every part.
 
-``parse_site`` checks one site's mapping and builds its ``SiteConfig``;
-:func:`crossfed.config.load_sites` validates a run's sites file against the schema first,
-``read_sites_file`` reads a file given on the scheduler's command line. Pure (yaml aside).
+``read_sites`` is the one loader of a sites file: it validates the file against
+``workflow/schemas/sites.schema.yaml`` (defaults filled in) and builds each site's
+``SiteConfig`` with ``parse_site``, which adds the checks across keys. Pure (file reads aside).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 import yaml
 
 from crossfed.config.durations import SlurmDurationError, parse_slurm_duration
+from crossfed.config.schema import SCHEMAS, ConfigError, validate
 
 
-class SitesConfigError(ValueError):
-    """config/sites.yaml is missing, unreadable or lacks a key the scheduler needs."""
+class SitesConfigError(ConfigError):
+    """config/sites.yaml is missing, unreadable or does not match its schema."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ def parse_site(name: str, raw: Any) -> SiteConfig:
 
 
 def parse_sites(data: Any, *, source: str = "sites config") -> dict[str, SiteConfig]:
-    """Validate the ``sites:`` mapping of a loaded sites.yaml."""
+    """Each site of a loaded sites mapping built into its ``SiteConfig`` (``read_sites``
+    checks the file against the schema first)."""
     if not isinstance(data, Mapping) or not isinstance(data.get("sites"), Mapping):
         raise SitesConfigError(f"{source}: expected a top-level 'sites:' mapping")
     if not data["sites"]:
@@ -219,8 +221,51 @@ def load_sites_yaml(path: str | Path) -> dict[str, Any]:
     return dict(data)
 
 
+@dataclass(frozen=True)
+class SitesFile:
+    """A sites file, validated: its sites in file order, and its ``planner:`` defaults."""
+
+    sites: dict[str, SiteConfig]
+    planner: dict[str, Any]
+
+
+def _sites_schema(keep_unknown_keys: bool) -> dict[str, Any]:
+    schema = yaml.safe_load((SCHEMAS / "sites.schema.yaml").read_text())
+    if keep_unknown_keys:
+        schema["properties"]["sites"]["additionalProperties"]["additionalProperties"] = True
+    return schema
+
+
+def read_sites(path: str | Path, *, keep_unknown_keys: bool = False) -> SitesFile:
+    """The one loader of a sites file: read, checked against the sites schema (defaults
+    filled in), and each site built into a :class:`SiteConfig`.
+
+    A site's key the schema does not know is refused (naming the likely key), or, with
+    ``keep_unknown_keys``, kept in the site's ``extra``: the scheduler's command-line tools
+    read files written for other versions. Every problem is one ``SitesConfigError``.
+    """
+    raw = load_sites_yaml(path)
+    if not isinstance(raw.get("sites"), Mapping):
+        raise SitesConfigError(f"{path}: expected a top-level 'sites:' mapping")
+    try:
+        data = validate(raw, _sites_schema(keep_unknown_keys), str(path))
+    except SitesConfigError:
+        raise
+    except ConfigError as exc:
+        raise SitesConfigError(str(exc)) from exc
+    for name, site in data["sites"].items():
+        names = [shape["name"] for shape in site["shapes"]]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise SitesConfigError(f"{path}: sites/{name}/shapes: shape names used twice: {twice}")
+    try:
+        sites = parse_sites(data, source=str(path))
+    except SitesConfigError as exc:
+        raise SitesConfigError(f"{path}: {exc}") from exc
+    return SitesFile(sites=sites, planner=dict(data.get("planner") or {}))
+
+
 def read_sites_file(path: str | Path) -> dict[str, SiteConfig]:
     """The sites of a sites file given on the command line (``crossfed probe --sites``):
-    parsed leniently, unknown keys kept in ``extra`` (a run's sites come from
-    :func:`crossfed.config.load_sites`, validated by the schema first)."""
-    return parse_sites(load_sites_yaml(path), source=str(path))
+    schema-checked as a run's are, a site's unknown keys kept in ``extra``."""
+    return read_sites(path, keep_unknown_keys=True).sites

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from crossfed.config import load_sites_yaml
+from crossfed.config import read_sites
 from crossfed.fileio import write_atomic
 
 LOG_COLUMNS = [
@@ -187,8 +187,8 @@ def _shape_gpus(sites_yaml: Path | None, plan_paths: Sequence[Path]) -> dict[str
     if sites_yaml is None:
         return {}
     shapes = {
-        site: {s["name"]: s["nodes"] * s["gpus_per_node"] for s in cfg.get("shapes", [])}
-        for site, cfg in load_sites_yaml(sites_yaml).get("sites", {}).items()
+        site: {shape.name: shape.gpus for shape in cfg.shapes}
+        for site, cfg in read_sites(sites_yaml).sites.items()
     }
     gpus: dict[str, int] = {}
     for path in plan_paths:
@@ -201,8 +201,7 @@ def _shape_gpus(sites_yaml: Path | None, plan_paths: Sequence[Path]) -> dict[str
 
 
 def _configured(sites_yaml: Path) -> dict[str, int]:
-    sites = load_sites_yaml(sites_yaml).get("sites", {})
-    return {name: int(cfg.get("accumulation", 1)) for name, cfg in sites.items()}
+    return {name: cfg.accumulation for name, cfg in read_sites(sites_yaml).sites.items()}
 
 
 def write_job_log(results: Path, before: int, sites_yaml: Path | None, out: Path) -> str:

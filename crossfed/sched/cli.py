@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from crossfed.config import SitesConfigError, load_sites_yaml, parse_sites
+from crossfed.config import SitesConfigError, read_sites
 from crossfed.sched.planner import FixedJob, PlanError, PlanParams, make_plan, write_plan
 from crossfed.sched.probe import (
     ProbeTableError,
@@ -75,7 +75,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     """Probe every shape of the configured sites and write the probe table."""
     try:
         now = _now(args.now)
-        sites = parse_sites(load_sites_yaml(args.sites), source=args.sites)
+        sites = read_sites(args.sites, keep_unknown_keys=True).sites
         table = collect_probes(
             sites, now, only=args.site or None, sbatch=args.sbatch, timeout_s=args.timeout_s
         )
@@ -102,13 +102,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- plan
-
-
-def _planner_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
-    block = raw.get("planner") or {}
-    if not isinstance(block, Mapping):
-        raise CliInputError("sites config: 'planner' must be a mapping")
-    return dict(block)
 
 
 def _pick(cli: Any, block: Mapping[str, Any], key: str, default: Any) -> Any:
@@ -239,9 +232,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _fail(CliInputError(f"plan needs {', '.join(missing)} (or use 'plan simulate')"))
     try:
         now = _now(args.now)
-        raw = load_sites_yaml(args.sites)
-        sites = parse_sites(raw, source=args.sites)
-        params = _params(args, _planner_defaults(raw))
+        sites_file = read_sites(args.sites, keep_unknown_keys=True)
+        sites = sites_file.sites
+        params = _params(args, sites_file.planner)
         probes = read_probes(args.probes)
         gammas = _gammas(args.sacct_history or [], list(sites), now, args.gamma_window_days * 86400)
         priors = {s: c.tokens_per_s_per_gpu for s, c in sites.items()}

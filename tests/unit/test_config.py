@@ -372,3 +372,30 @@ def test_transfer_streams_come_from_the_config_and_a_site_may_set_its_own(
     )
     with pytest.raises(ConfigError, match="transport/streams"):
         load_run_config(None, {"transport": {"streams": 0}})
+
+
+def test_one_loader_reads_a_sites_file_for_the_run_and_for_the_scheduler(tmp_path: Path) -> None:
+    """The run and `crossfed probe/plan --sites` read a sites file with one schema-checked
+    loader: a number YAML 1.1 reads as a string is a number for both, the planner block is
+    known to both, and a site's unknown key is refused by the run, kept by the scheduler."""
+    from crossfed.config import read_sites, read_sites_file
+
+    path = tmp_path / "sites.yaml"
+    path.write_text(
+        "sites:\n  lumi:\n    ranks: 2\n    micro_batch: 4\n    scheduler: none\n"
+        "    tokens_per_s_per_gpu: 1.2e4\n    note_for_later: {kept: true}\n"
+        "planner:\n  target_tokens: 1.0e+10\n  units_per_round: 5\n"
+    )
+    run_config = load_run_config(None, {"sites_file": str(path)})
+    with pytest.raises(ConfigError, match=r"sites/lumi: unknown key 'note_for_later'"):
+        load_sites(run_config)
+    kept = read_sites_file(path)["lumi"]
+    assert kept.tokens_per_s_per_gpu == 12000.0 and kept.extra == {"note_for_later": {"kept": True}}
+    assert kept.accumulation == 1 and kept["shapes"] == []  # the schema's defaults filled in
+    path.write_text(path.read_text().replace("    note_for_later: {kept: true}\n", ""))
+    run_site = load_sites(run_config)["lumi"]
+    assert run_site.tokens_per_s_per_gpu == 12000.0 and run_site.extra == {}
+    assert read_sites(path).planner == {"target_tokens": 1.0e10, "units_per_round": 5}
+    path.write_text(path.read_text().replace("units_per_round: 5", "units_per_round: -5"))
+    with pytest.raises(ConfigError, match=r"planner/units_per_round: -5 is less than or equal"):
+        read_sites(path)

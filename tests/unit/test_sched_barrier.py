@@ -137,10 +137,12 @@ def test_idle_share_per_site_and_round() -> None:
 def test_plan_job_log_and_plan_fill_write_the_job_log_and_fill_the_plan(tmp_path: Path) -> None:
     results = tmp_path / "results"
     write_outcomes(results, [outcome("lumi", 1, step_s=2.0), outcome("snellius", 1, step_s=0.5)])
+    required = {"ranks": 1, "micro_batch": 1, "scheduler": "none", "tokens_per_s_per_gpu": 1}
     sites = {
         "sites": {
-            "lumi": {"accumulation": 1, "shapes": []},
+            "lumi": {**required, "accumulation": 1, "shapes": []},
             "snellius": {
+                **required,
                 "accumulation": 1,
                 "shapes": [
                     {

@@ -277,3 +277,40 @@ def test_plan_without_target_exits_2(tmp_path, capsys) -> None:
     rc = run(["plan", "--sites", str(tmp_path / "sites.yaml"), "--probes",
               str(tmp_path / "p.csv"), "--out", str(tmp_path / "o.json")])  # fmt: skip
     assert rc == 2 and "no target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            ("  laptop:\n", "  laptop:\n    transport: vpn\n"),
+            "sites/laptop/transport: 'vpn' is not one of",
+        ),
+        (
+            ("partition: standard-g", "partiton: standard-g"),
+            "unknown key 'partiton' (did you mean 'partition'",
+        ),
+        (
+            ("target_tokens:", "target_token:"),
+            "planner: unknown key 'target_token' (did you mean 'target_tokens'",
+        ),
+        (("  laptop:\n", "  Laptop!:\n"), "sites: 'Laptop!' does not match"),
+    ],
+)
+def test_a_sites_file_on_the_command_line_is_checked_by_the_run_schema(
+    site_dir, capsys, change, message
+) -> None:
+    """`probe` and `plan` read --sites with the run's one loader: every known key is checked
+    by the schema (an enum, a shape's typo, the planner block, a site's name)."""
+    path = site_dir / "sites.yaml"
+    assert change[0] in path.read_text()
+    path.write_text(path.read_text().replace(change[0], change[1]))
+    for argv in (
+        ["probe", "--sites", str(path), "--out", str(site_dir / "p.csv")],
+        ["plan", "--sites", str(path), "--probes", str(site_dir / "p.csv"),
+         "--out", str(site_dir / "o.json")],
+    ):  # fmt: skip
+        assert run(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+    assert not (site_dir / "p.csv").exists() and not (site_dir / "o.json").exists()
