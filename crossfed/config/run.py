@@ -140,6 +140,7 @@ class InnerSection(Section):
     grad_clip: float
     second_moment: str | None
     checkpoint_every: int
+    checkpoint_background: bool
 
 
 @dataclass(frozen=True)

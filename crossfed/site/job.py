@@ -221,6 +221,7 @@ def site_settings(
             activation_checkpointing=model.activation_checkpointing,
         ),
         checkpoint_every=inner.checkpoint_every,
+        checkpoint_background=inner.checkpoint_background,
         rounds=config.rounds,
         overlap=OverlapConfig(
             enabled=overlap.enabled,

@@ -48,6 +48,8 @@ class SiteSettings:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     #: steps between in-phase checkpoints (0: only the end-of-phase one)
     checkpoint_every: int = 0
+    #: checkpoints written in the background (a host copy of the state while it is written)
+    checkpoint_background: bool = True
     #: epoch seconds after which no step may end (a chain job's walltime less its margin):
     #: the phase stops at the end of the block in progress and sends the blocks trained
     stop_training_at: float | None = None

@@ -484,15 +484,17 @@ class SiteRunner:
             accumulation=self.s.inner.accumulation, phase=state,
         )  # fmt: skip
 
-    def _save_in_background(self, cursor: Cursor) -> None:
+    def _write_checkpoint(self, cursor: Cursor) -> None:
         """A checkpoint (mid-phase, or the phase's end): the state is copied and training,
         or the delta's writing and sending, go on while it is written (the one before it
-        published first)."""
+        published first). With ``checkpoint_background`` off, written before returning."""
         assert self.model is not None and self.optimizer is not None
         self._saved()
-        self._saving = checkpoint.save_in_background(
-            self.state_dir, self.model, self.optimizer, cursor.to_dict(), self.ranks
-        )
+        args = (self.state_dir, self.model, self.optimizer, cursor.to_dict(), self.ranks)
+        if self.s.checkpoint_background:
+            self._saving = checkpoint.save_in_background(*args)
+        else:
+            checkpoint.save(*args)
 
     def _saved(self) -> None:
         """Wait for the checkpoint being written in the background, if any, to be published."""
@@ -511,7 +513,7 @@ class SiteRunner:
         params = full_parameters(self.model)
         assert self.optimizer is not None  # the factors travel with the delta (collective)
         factors = moments.state_factors(parameters_of(self.model), self.optimizer)
-        self._save_in_background(self._cursor(round_no, start, state, "done"))
+        self._write_checkpoint(self._cursor(round_no, start, state, "done"))
         pending = None
         if self.ranks.main:
             delta_path = self.dir / f"delta-r{round_no:05d}.safetensors"
@@ -604,7 +606,7 @@ class SiteRunner:
         state = run_inner_phase(
             trainer, self.store.windows, windows, schedule=fold.schedule,
             global_step=start.global_step, state=state, window_limit=limit, on_step=on_step,
-            checkpoint=lambda s: self._save_in_background(
+            checkpoint=lambda s: self._write_checkpoint(
                 self._cursor(round_no, fold.start, s, "training")
             ),
             checkpoint_every=self.s.checkpoint_every,

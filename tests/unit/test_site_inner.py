@@ -87,6 +87,39 @@ def test_a_site_round_trains_its_lease_and_commits_it(
     assert other_job.returncode != 0 and "SiteBusy" in other_job.stderr, other_job.stderr
 
 
+def test_with_background_checkpoints_off_every_checkpoint_is_written_before_training_goes_on(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """``inner.checkpoint_background: false`` (a node short of host memory for the copy):
+    the background writer is never used, and the round still checkpoints and commits."""
+    init(coordinator, tiny_data)
+    config = load_run_config(
+        site_config(tmp_path, coordinator, tiny_data, checkpoint_background=False)
+    )
+    assert config.inner.checkpoint_background is False
+    written: list[str] = []
+    foreground = checkpoint.save
+
+    def save(state_dir, model, optimizer, cursor, ranks):
+        written.append(cursor["status"])
+        path = foreground(state_dir, model, optimizer, cursor, ranks)
+        assert checkpoint.latest(state_dir)["path"] == str(path)  # published on return
+        return path
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a background checkpoint was started")
+
+    monkeypatch.setattr(checkpoint, "save", save)
+    monkeypatch.setattr(checkpoint, "save_in_background", refuse)
+    sites = load_sites(config)
+    runner = SiteRunner(site_settings(config, "lumi", sites["lumi"]), coordinator.client("lumi"))
+    outcome = runner.run_round(1)
+    assert outcome.status == "accepted", outcome.detail
+    assert written == ["training"] * 3 + ["done"]  # every step but the last, then the end
+    cursor = checkpoint.latest(tmp_path / "results" / "sites" / "lumi" / "state")
+    assert cursor is not None and cursor["status"] == "done" and cursor["windows"] == 32
+
+
 def _site_job(tmp_path: Path, config: Path, name: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "crossfed", "site", "run", "--config", str(config)]
     cmd += ["--site", "lumi", "--round", "1", "--out", str(tmp_path / f"{name}.json")]
