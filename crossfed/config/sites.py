@@ -266,6 +266,7 @@ def read_sites(path: str | Path, *, keep_unknown_keys: bool = False) -> SitesFil
 
 
 def read_sites_file(path: str | Path) -> dict[str, SiteConfig]:
-    """The sites of a sites file given on the command line (``crossfed probe --sites``):
-    schema-checked as a run's are, a site's unknown keys kept in ``extra``."""
+    """The sites of a sites file given to the scheduler's tools (``crossfed probe`` and
+    ``crossfed plan``'s ``--sites``): schema-checked as a run's are, a site's unknown keys
+    kept in ``extra``."""
     return read_sites(path, keep_unknown_keys=True).sites

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from crossfed.config import read_sites
+from crossfed.config import read_sites_file
 from crossfed.fileio import write_atomic
 
 LOG_COLUMNS = [
@@ -188,7 +188,7 @@ def _shape_gpus(sites_yaml: Path | None, plan_paths: Sequence[Path]) -> dict[str
         return {}
     shapes = {
         site: {shape.name: shape.gpus for shape in cfg.shapes}
-        for site, cfg in read_sites(sites_yaml).sites.items()
+        for site, cfg in read_sites_file(sites_yaml).items()
     }
     gpus: dict[str, int] = {}
     for path in plan_paths:
@@ -201,7 +201,8 @@ def _shape_gpus(sites_yaml: Path | None, plan_paths: Sequence[Path]) -> dict[str
 
 
 def _configured(sites_yaml: Path) -> dict[str, int]:
-    return {name: cfg.accumulation for name, cfg in read_sites(sites_yaml).sites.items()}
+    sites = read_sites_file(sites_yaml)
+    return {name: cfg.accumulation for name, cfg in sites.items()}
 
 
 def write_job_log(results: Path, before: int, sites_yaml: Path | None, out: Path) -> str:

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from crossfed.config import SitesConfigError, read_sites
+from crossfed.config import SitesConfigError, read_sites, read_sites_file
 from crossfed.sched.planner import FixedJob, PlanError, PlanParams, make_plan, write_plan
 from crossfed.sched.probe import (
     ProbeTableError,
@@ -75,7 +75,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     """Probe every shape of the configured sites and write the probe table."""
     try:
         now = _now(args.now)
-        sites = read_sites(args.sites, keep_unknown_keys=True).sites
+        sites = read_sites_file(args.sites)
         table = collect_probes(
             sites, now, only=args.site or None, sbatch=args.sbatch, timeout_s=args.timeout_s
         )
