@@ -96,3 +96,17 @@ def test_doc_section_ends_at_its_level_and_skips_fenced_comments() -> None:
     section = doc_section("## 1. The coordinator VM", REAL_SITE)
     assert "# secrets.yaml, mode 0600" in section  # a bash comment, not a heading
     assert "\n## 2. The run, identical at every site" not in section
+
+
+def test_no_wrapped_line_of_the_pages_starts_a_quote_or_a_list_by_accident() -> None:
+    """A paragraph wrapped so that a line starts with ``>=``, ``> `` or ``+ `` renders as a
+    block quote or a list item in the middle of the text (mkdocs builds it without a word)."""
+    accidents = []
+    for page in [README, *sorted((REPO / "docs").glob("*.md"))]:
+        fenced = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and re.match(r"\s*(>|\+ )", line):
+                accidents.append(f"{page.relative_to(REPO)}:{number}: {line.strip()[:60]}")
+    assert not accidents, accidents
