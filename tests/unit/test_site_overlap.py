@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -60,12 +61,28 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     chains: dict[str, object] = {}
     errors: list[BaseException] = []
 
-    def site_loop(name: str, gate: threading.Event | None = None) -> None:
+    frontier_leased = threading.Event()  # frontier holds its lease of round 1
+    gate = threading.Event()  # snellius holds an early lease of round 2
+
+    def frontier_waits() -> None:  # round 1 stays open: frontier's lease is active
+        frontier_leased.set()
+        assert gate.wait(300), "snellius never took an early lease of round 2"
+
+    def snellius_waits() -> None:  # so that round 1 cannot close without frontier
+        assert frontier_leased.wait(300), "frontier never leased round 1"
+
+    def site_loop(name: str, before_round_1: Callable[[], None]) -> None:
         try:
             client = coordinator.client(name)
             runner = SiteRunner(site_settings(config, name, sites[name]), client)
-            if gate is not None:  # frontier trains round 1 only once snellius is a round ahead
-                assert gate.wait(300), "snellius never took an early lease of round 2"
+            run_phase = runner._run_phase
+
+            def gated(round_no: int, start: object) -> object:
+                if round_no == 1:  # the round's lease is held here; training starts after
+                    before_round_1()
+                return run_phase(round_no, start)
+
+            runner._run_phase = gated  # type: ignore[method-assign]
             chains[name] = run_chain(
                 name, runner, client, ChainSettings(through_round=ROUNDS),
                 on_round=lambda o, s: outcomes[name].__setitem__(o.round, o),
@@ -73,10 +90,9 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
         except BaseException as exc:
             errors.append(exc)
 
-    gate = threading.Event()
     threads = [
-        threading.Thread(target=site_loop, args=("snellius",)),
-        threading.Thread(target=site_loop, args=("frontier", gate)),
+        threading.Thread(target=site_loop, args=("snellius", snellius_waits)),
+        threading.Thread(target=site_loop, args=("frontier", frontier_waits)),
     ]
     for thread in threads:
         thread.start()
