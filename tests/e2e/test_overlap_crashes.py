@@ -34,31 +34,16 @@ import pytest
 from crossfed.config import load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.darl.ledger import COMMITTED_TABLE
-from crossfed.site import SiteRunner
 from crossfed.site.job import site_settings
 from crossfed.site.loop import ChainSettings, run_chain
 from crossfed.site.records import PendingDelta
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec
-from tests.unit.test_site_overlap import overlap_config
+from tests.unit.test_site_overlap import HeldBack, overlap_config
 
 pytestmark = pytest.mark.slow
 
 ROUNDS = 3
 SITE, OTHER = "snellius", "frontier"
-
-
-class HeldBack(SiteRunner):
-    """A real site runner whose phase of round k starts only once ``gates[k]`` is set; it
-    holds (and heartbeats) the round's lease meanwhile, which keeps the round open."""
-
-    gates: dict[int, threading.Event]
-
-    def _train(self, round_no, fold, state, beat):  # type: ignore[no-untyped-def]
-        gate = self.gates.get(round_no)
-        if gate is not None:  # longer than the scenario's own waits (Crash.drive), which
-            # name what is late; this one only ends a thread the scenario forgot
-            assert gate.wait(900), f"frontier was never let train round {round_no}"
-        return super()._train(round_no, fold, state, beat)
 
 
 class Crash:
