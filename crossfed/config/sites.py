@@ -136,8 +136,10 @@ def parse_site(name: str, raw: Any) -> SiteConfig:
     if not isinstance(shapes_raw, list):
         raise SitesConfigError(f"{where}: shapes must be a list")
     shapes = tuple(_parse_shape(s, f"{where}.shapes[{i}]") for i, s in enumerate(shapes_raw))
-    if len({s.name for s in shapes}) != len(shapes):
-        raise SitesConfigError(f"{where}: shape names must be unique")
+    names = [s.name for s in shapes]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SitesConfigError(f"sites/{name}/shapes: shape names used twice: {twice}")
     if scheduler == "slurm" and not shapes:
         raise SitesConfigError(f"{where}: a slurm site needs at least one shape")
     max_wall_h = raw.get("max_walltime_h")
@@ -249,15 +251,8 @@ def read_sites(path: str | Path, *, keep_unknown_keys: bool = False) -> SitesFil
         raise SitesConfigError(f"{path}: expected a top-level 'sites:' mapping")
     try:
         data = validate(raw, _sites_schema(keep_unknown_keys), str(path))
-    except SitesConfigError:
-        raise
     except ConfigError as exc:
         raise SitesConfigError(str(exc)) from exc
-    for name, site in data["sites"].items():
-        names = [shape["name"] for shape in site["shapes"]]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise SitesConfigError(f"{path}: sites/{name}/shapes: shape names used twice: {twice}")
     try:
         sites = parse_sites(data, source=str(path))
     except SitesConfigError as exc:
