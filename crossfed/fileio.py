@@ -28,12 +28,13 @@ INLINE_MAX_BYTES = 2 * 1024**3
 
 def create_temp_beside(path: Path, suffix: str = ".tmp", mode: int = 0o666) -> tuple[int, Path]:
     """Create an empty hidden temp file next to ``path`` with a name no other writer has
-    (``.<name>.<random><suffix>``, ``mode`` less the umask); returns its open fd and path."""
+    (``.<name>.<random><suffix>``, ``mode`` less the umask); returns its open fd and path.
+    The fd reads too, so a file can be read back (``pread``) while it is being written."""
     path = Path(path)
     while True:
         tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}{suffix}"
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), tmp
+            return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode), tmp
         except FileExistsError:
             continue
 

@@ -20,7 +20,7 @@ from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError
 from crossfed.coordinator.core import CoordinatorError, log
 from crossfed.coordinator.faults import crash_point
-from crossfed.coordinator.generations import Emit, merge_step, write_generation
+from crossfed.coordinator.generations import Emit, merge_step, model_file_bytes, write_generation
 from crossfed.coordinator.rounds import close_decision, next_global_step
 from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences, resolve_outer
 from crossfed.coordinator.views import Views
@@ -278,18 +278,31 @@ class Closing(Views):
         """Generation ``generation``'s files, written as ``fill`` produces its tensors
         (:func:`crossfed.coordinator.generations.write_generation`; ``extra``: the merged
         second-moment factors, at the end of the global model); with an object store the
-        global model is written there too before the generation is published."""
-        written = write_generation(
-            self._master_path(generation),
-            self._model_file(generation),
-            self.shapes,
-            generation,
-            fill,
-            momentum=momentum,
-            extra=extra,
-        )
+        global model goes up there part by part as it is written, and is stored whole before
+        the generation is published (a failed merge leaves no object)."""
+        upload = None
         if self.s3 is not None:
-            self.s3.publish_model(self._model_file(generation), generation)
+            size = model_file_bytes(self.shapes, generation, extra)
+            upload = self.s3.model_upload(generation, size)
+        try:
+            written = write_generation(
+                self._master_path(generation),
+                self._model_file(generation),
+                self.shapes,
+                generation,
+                fill,
+                momentum=momentum,
+                extra=extra,
+                model_progress=None if upload is None else upload.written,
+            )
+            if upload is not None:
+                upload.finish()
+        except BaseException:
+            if upload is not None:
+                upload.abort()
+            raise
+        if self.s3 is not None:
+            self.s3.published(generation)
         return written
 
     def _retain(self, generation: int, closed_round: int) -> None:

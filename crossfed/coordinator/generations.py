@@ -9,10 +9,12 @@ largest size, whatever the size of the model.
 
 The three parts of a merge run side by side, tensor by tensor: a reader thread reads tensor
 ``i+1``'s master, momentum and deltas while the merge's own thread computes tensor ``i`` and a
-writer thread writes (and digests) the tensors already computed. ``pread``, ``write``, torch's
-kernels and BLAKE3's ``update`` all release the GIL. The threads hand tensors over through
-:data:`SLOTS` buffer pairs, so at most that many tensors are between the read and the write,
-and an error in either thread is raised in the merge's thread.
+writer thread writes (and digests) the tensors already computed. The reader reads each
+delta's piece on a thread of its own (one per contributor), beside the master's, so that
+the round trips of ranged reads from an object store overlap rather than add up. ``pread``,
+``write``, torch's kernels and BLAKE3's ``update`` all release the GIL. The threads hand
+tensors over through :data:`SLOTS` buffer pairs, so at most that many tensors are between
+the read and the write, and an error in any thread is raised in the merge's thread.
 
 Files are read with ``pread`` (:class:`crossfed.wire.tensors.TensorFile`), never memory-mapped:
 a merge's memory is what it allocates. Keys are found by name, so files written with any
@@ -28,7 +30,8 @@ import operator
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +51,13 @@ from crossfed.outer import (
     stream_outer_step,
 )
 from crossfed.wire.codecs import decoded
-from crossfed.wire.tensors import TensorFile, TensorSpec, stream_writer
+from crossfed.wire.tensors import (
+    Progress,
+    TensorFile,
+    TensorSpec,
+    safetensors_header,
+    stream_writer,
+)
 
 log = logging.getLogger(__name__)
 MOMENTUM = "momentum::"
@@ -247,6 +256,7 @@ def write_generation(
     *,
     momentum: bool,
     extra: Mapping[str, torch.Tensor] | None = None,
+    model_progress: Progress | None = None,
 ) -> tuple[str, T, float]:
     """Write one generation's two files as ``fill`` produces its tensors.
 
@@ -260,20 +270,20 @@ def write_generation(
     digest, ``fill``'s result and the seconds the writer spent writing (which overlap the
     rest of the merge). ``extra`` tensors (the sites' merged second-moment factors,
     :mod:`crossfed.moments`) go to the end of the global model as they are.
+    ``model_progress`` follows the global model's bytes as they are written (its size is
+    :func:`model_file_bytes`): an object store's upload of it runs beside the merge.
     """
     extra = dict(extra or {})
-    meta = {"generation": str(generation), "format": FORMAT}
-    state_specs, global_specs = [], []
+    meta = _meta(generation)
+    state_specs = []
     for name, shape in shapes.items():
         state_specs.append(TensorSpec(name, torch.float32, shape))
         if momentum:
             state_specs.append(TensorSpec(MOMENTUM + name, torch.float32, shape))
-        global_specs.append(TensorSpec(name, torch.bfloat16, shape))
-    for name, value in extra.items():
-        global_specs.append(TensorSpec(name, value.dtype, tuple(value.shape)))
+    global_specs = _model_specs(shapes, extra)
     with (
         stream_writer(state_path, state_specs, meta, algo=None) as state,
-        stream_writer(global_path, global_specs, meta) as model,
+        stream_writer(global_path, global_specs, meta, progress=model_progress) as model,
     ):
         size = largest({p.key: p.shape for p in pieces(shapes)})
         writer = _Writer(state, model, shapes, size, momentum=momentum)
@@ -287,6 +297,29 @@ def write_generation(
             model.write(value.contiguous())
     crash_point("after_generation_write")
     return model.digest, result, writer.busy_s
+
+
+def _meta(generation: int) -> dict[str, str]:
+    return {"generation": str(generation), "format": FORMAT}
+
+
+def _model_specs(
+    shapes: Mapping[str, tuple[int, ...]], extra: Mapping[str, torch.Tensor]
+) -> list[TensorSpec]:
+    """The global model's tensors: the model in bf16, then the ``extra`` tensors as they are."""
+    specs = [TensorSpec(name, torch.bfloat16, shape) for name, shape in shapes.items()]
+    specs += [TensorSpec(name, v.dtype, tuple(v.shape)) for name, v in extra.items()]
+    return specs
+
+
+def model_file_bytes(
+    shapes: Mapping[str, tuple[int, ...]],
+    generation: int,
+    extra: Mapping[str, torch.Tensor] | None = None,
+) -> int:
+    """The size of the global model file :func:`write_generation` writes, known before it."""
+    specs = _model_specs(shapes, dict(extra or {}))
+    return len(safetensors_header(specs, _meta(generation))) + sum(s.nbytes for s in specs)
 
 
 @dataclass
@@ -341,6 +374,10 @@ class _Prefetch:
         self.ready: queue.Queue[_Bundle] = queue.Queue()  # bounded by the slots
         self.current: _Bundle | None = None
         self.stopped = threading.Event()
+        # each live delta's piece is read on a thread of its own, beside the master's
+        self.readers = ThreadPoolExecutor(
+            max_workers=max(1, len(self.live)), thread_name_prefix="generation-delta-reader"
+        )
         self.thread = threading.Thread(target=self._run, name="generation-reader", daemon=True)
         self.thread.start()
 
@@ -371,6 +408,7 @@ class _Prefetch:
                 return
             name, rows = piece.key, None if piece.whole else (piece.lo, piece.hi)
             bundle = _Bundle(name, slot)
+            reads = {i: self.readers.submit(self._delta, i, piece) for i in self.live}
             key: tuple[str | int, str] = ("master", name)
             try:
                 bundle.items[key] = self.state.read(piece.name, slot.master, rows=rows)
@@ -379,11 +417,12 @@ class _Prefetch:
                     bundle.items[key] = self.state.read(
                         MOMENTUM + piece.name, slot.momentum, rows=rows
                     )
-                for i in self.live:
+                for i, read in reads.items():
                     key = (i, name)
-                    bundle.items[key] = self._delta(i, piece)
+                    bundle.items[key] = read.result()
             except BaseException as exc:  # raised in the merge's thread, at this read
                 bundle.failed, bundle.error = key, exc
+                _settle(reads.values())
             self.ready.put(bundle)
             if bundle.error is not None:
                 return
@@ -452,7 +491,19 @@ class _Prefetch:
     def close(self) -> None:
         self.stopped.set()
         self.thread.join()
+        self.readers.shutdown(wait=True)
         self.current = None
+
+
+def _settle(reads: Iterable[Future]) -> None:
+    """Wait out the reads a failed piece still has in flight (their errors are not the
+    first one), so that no reader thread outlives the piece it read for."""
+    for read in reads:
+        read.cancel()
+        try:
+            read.result()
+        except BaseException:  # noqa: BLE001 - the piece's first error is the one raised
+            pass
 
 
 class _Prefetched(Mapping[str, torch.Tensor]):

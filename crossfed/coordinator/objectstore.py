@@ -4,8 +4,9 @@ multipart uploads it starts and completes for the sites, streamed reads and its 
 The coordinator holds the credentials; sites never do. A site gets presigned URLs for the
 parts of its own upload and for the objects it may read, and moves the bytes itself. The
 coordinator completes an upload only from the parts the store lists (never trusting a
-client's list), reads objects back in ranges (:class:`ObjectTensorFile`: a merge streams a
-delta tensor by tensor) and writes the global models with s3transfer.
+client's list), reads objects back in ranges, several at once (a digest's read-back;
+:class:`ObjectTensorFile`: a merge streams a delta tensor by tensor) and writes each global
+model part by part while the merge writes its file (:class:`ModelUpload`).
 
 Settings come from the run config's ``blobs.s3`` section; the access key from the
 environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``) or else the coordinator's
@@ -17,8 +18,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,7 +35,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from crossfed.coordinator.blobs import BlobError
-from crossfed.wire.digests import CHUNK, new_hasher
+from crossfed.wire.digests import new_hasher
 from crossfed.wire.tensors import TensorFile
 
 log = logging.getLogger("crossfed.coordinator")
@@ -41,6 +45,8 @@ MIN_PART_BYTES = 5 << 20
 MAX_PARTS = 10_000
 DEFAULT_PART_BYTES = 64 << 20
 DEFAULT_URL_EXPIRY_S = 900.0
+#: bytes of one ranged read when the coordinator reads an object back for its digest
+STRIPE_BYTES = 16 << 20
 BACKENDS = ("file", "s3")
 
 
@@ -186,6 +192,11 @@ class ObjectStore:
         )
         #: bytes this process moved to and from the store, by direction
         self.moved = {"read": 0, "written": 0}
+        self._moved_lock = threading.Lock()  # reads and part uploads run on several threads
+
+    def _count(self, direction: str, n: int) -> None:
+        with self._moved_lock:
+            self.moved[direction] += n
 
     def check(self) -> None:
         """The bucket answers with these credentials, or a clear error saying why not."""
@@ -300,6 +311,22 @@ class ObjectStore:
         except (ClientError, BotoCoreError) as exc:
             raise _unreachable("completing an upload", exc) from exc
 
+    def upload_part_from(
+        self, name: str, upload_id: str, number: int, fd: int, offset: int, length: int
+    ) -> None:
+        """Part ``number`` of an upload: ``length`` bytes of the open file ``fd`` at
+        ``offset`` (read when the part goes up, so only the parts in flight are in memory)."""
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise ObjectStoreError(f"{name}: part {number} has {len(data)} of {length} bytes")
+        try:
+            self.client.upload_part(
+                Bucket=self.bucket, Key=name, UploadId=upload_id, PartNumber=number, Body=data
+            )
+        except (ClientError, BotoCoreError) as exc:
+            raise _unreachable(f"writing part {number} of {name}", exc) from exc
+        self._count("written", length)
+
     def abort_upload(self, name: str, upload_id: str) -> None:
         try:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
@@ -339,23 +366,56 @@ class ObjectStore:
     def digest(
         self, name: str, algo: str, also: Callable[[bytes], None] | None = None
     ) -> tuple[str, int]:
-        """The object's ``algo:hex`` digest and size, read as a stream (a chunk at a time);
-        ``also`` sees each chunk too (a check made in the same pass)."""
-        hasher, size = new_hasher(algo), 0
-        try:
-            body = self.client.get_object(Bucket=self.bucket, Key=name)["Body"]
-            for chunk in body.iter_chunks(CHUNK):
-                hasher.update(chunk)
-                size += len(chunk)
-                if also is not None:
-                    also(chunk)
-        except (ClientError, BotoCoreError, OSError) as exc:
-            raise _unreachable("reading an object back", exc) from exc
-        self.moved["read"] += size
+        """The object's ``algo:hex`` digest and size, read back in ranges of
+        :data:`STRIPE_BYTES`, up to ``max_concurrency`` of them at once (on a long link one
+        stream is bound by its window), and hashed in order; ``also`` sees each range too, in
+        order (a check made in the same pass). What is in memory is the ranges in flight."""
+        size = self.size(name)
+        if size is None:
+            raise _unreachable("reading an object back", FileNotFoundError(name))
+        hasher = new_hasher(algo)
+        stripes = iter(range(0, size, STRIPE_BYTES))
+        with ThreadPoolExecutor(
+            max_workers=self.transfer.max_concurrency, thread_name_prefix="digest"
+        ) as pool:
+            reads: deque[Future[bytes]] = deque()
+
+            def more() -> None:
+                offset = next(stripes, None)
+                if offset is not None:
+                    length = min(STRIPE_BYTES, size - offset)
+                    reads.append(pool.submit(self._range, name, offset, length))
+
+            for _ in range(self.transfer.max_concurrency):
+                more()
+            try:
+                while reads:
+                    data = reads.popleft().result()
+                    more()
+                    hasher.update(data)
+                    if also is not None:
+                        also(data)
+            finally:
+                for read in reads:
+                    read.cancel()
+        self._count("read", size)
         return f"{algo}:{hasher.hexdigest()}", size
+
+    def _range(self, name: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of object ``name`` at ``offset``, all of them or an error."""
+        data = bytearray(length)
+        got = self._fetch(name, offset, memoryview(data))
+        if got != length:
+            raise _unreachable("reading an object back", EOFError(f"{got} of {length} bytes"))
+        return bytes(data)
 
     def read_range(self, name: str, offset: int, view: memoryview) -> int:
         """Bytes of object ``name`` at ``offset`` into ``view``; how many arrived."""
+        done = self._fetch(name, offset, view)
+        self._count("read", done)
+        return done
+
+    def _fetch(self, name: str, offset: int, view: memoryview) -> int:
         if not len(view):
             return 0
         last = offset + len(view) - 1
@@ -370,7 +430,6 @@ class ObjectStore:
         except (ClientError, BotoCoreError, OSError) as exc:
             # never a bad delta: the store is away (or lost the object), so say so
             raise _unreachable(f"reading {name}", exc) from exc
-        self.moved["read"] += done
         return done
 
     def presign_get(self, name: str) -> str:
@@ -386,7 +445,7 @@ class ObjectStore:
             self.client.upload_file(str(path), self.bucket, name, Config=self.transfer)
         except (ClientError, BotoCoreError) as exc:
             raise _unreachable(f"writing {name}", exc) from exc
-        self.moved["written"] += path.stat().st_size
+        self._count("written", path.stat().st_size)
 
     def delete(self, name: str) -> None:
         try:
@@ -437,6 +496,67 @@ class ObjectTensorFile(TensorFile):
 
     def close(self) -> None:
         return None
+
+
+class ModelUpload:
+    """Object ``name`` uploaded while its local file of ``size`` bytes is still being
+    written (a merge's global model): :meth:`written` is the writer's progress hook, and each
+    part of :meth:`ObjectStore.part_layout` goes up, on a thread of its own (at most the
+    store's ``max_concurrency`` at once), as soon as the file holds its bytes; :meth:`finish`
+    waits for them and completes the upload, :meth:`abort` drops it. The bytes are read back
+    from the file, so the upload holds only the parts in flight."""
+
+    def __init__(self, store: ObjectStore, name: str, size: int) -> None:
+        self.store, self.name, self.size = store, name, size
+        self.layout = store.part_layout(size)
+        self.upload_id = store.start_upload(name)
+        self.pool = ThreadPoolExecutor(
+            max_workers=store.transfer.max_concurrency, thread_name_prefix="model-upload"
+        )
+        self.sent: list[Future[None]] = []
+        self.fd = -1
+
+    def written(self, fd: int, done: int) -> None:
+        """The first ``done`` bytes of the file open as ``fd`` are written."""
+        if self.fd < 0:
+            self.fd = os.dup(fd)  # kept open past the writer's close and rename
+        while len(self.sent) < len(self.layout):
+            number, offset, length = self.layout[len(self.sent)]
+            if offset + length > done:
+                return
+            read = self.pool.submit(
+                self.store.upload_part_from, self.name, self.upload_id, number, self.fd,
+                offset, length,
+            )  # fmt: skip
+            self.sent.append(read)
+
+    def finish(self) -> None:
+        """Every part stored and the object complete, or the error of the first part that
+        failed (then :meth:`abort` it)."""
+        if len(self.sent) != len(self.layout):
+            raise ObjectStoreError(
+                f"{self.name}: {len(self.sent)} of {len(self.layout)} parts were written"
+            )
+        for part in self.sent:
+            part.result()
+        self.store.complete_upload(self.name, self.upload_id, self.size)
+        self._close()
+
+    def abort(self) -> None:
+        """Drop the upload (a failed merge leaves no object); never raises."""
+        for part in self.sent:
+            part.cancel()
+        self._close()
+        try:
+            self.store.abort_upload(self.name, self.upload_id)
+        except ObjectStoreError as exc:  # the upload is reaped with the open ones later
+            log.warning("could not abort the upload of %s: %s", self.name, exc)
+
+    def _close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def open_object_store(path: str | Path, secrets_path: Path | None) -> ObjectStore | None:

@@ -4,10 +4,10 @@ A blob uploaded by ``owner`` (a site, or the admin) is the object
 ``<prefix>blobs/<owner>/<algo>/<hex>``: no site can touch another's object, even with the
 same bytes. A site asks for an upload (:meth:`ObjectBlobs.begin`), puts its parts to the
 presigned URLs it got, and says it has finished (:meth:`ObjectBlobs.complete`): the
-coordinator joins the parts the store lists, reads the object back as a stream and keeps it
-only if it hashes to its key (then it is recorded in SQLite as stored; a delta may refer to
-it). Global models are ``<prefix>models/global-<generation>.safetensors``, written by the
-coordinator from the files its merge wrote, read by the sites through presigned URLs.
+coordinator joins the parts the store lists, reads the object back and keeps it only if it
+hashes to its key (then it is recorded in SQLite as stored; a delta may refer to it). Global
+models are ``<prefix>models/global-<generation>.safetensors``, uploaded by the coordinator
+while its merge writes them, read by the sites through presigned URLs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError, check_key
 from crossfed.coordinator.deltacheck import StreamingDeltaCheck
-from crossfed.coordinator.objectstore import ObjectStore, ObjectTensorFile
+from crossfed.coordinator.objectstore import ModelUpload, ObjectStore, ObjectTensorFile
 from crossfed.wire.digests import parse_digest
 
 log = logging.getLogger("crossfed.coordinator")
@@ -166,9 +166,14 @@ class ObjectBlobs:
         }
 
     # ------------------------------------------------------------------ models
-    def publish_model(self, path: Path, generation: int) -> None:
-        """Write generation ``generation``'s global model (a local file) to the store."""
-        self.objects.put_file(path, self.model_name(generation))
+    def model_upload(self, generation: int, size: int) -> ModelUpload:
+        """The upload of generation ``generation``'s global model of ``size`` bytes, made
+        while the merge writes it (:func:`crossfed.coordinator.generations.write_generation`'s
+        ``model_progress`` is its :meth:`~ModelUpload.written`); :meth:`published` once it is
+        finished."""
+        return ModelUpload(self.objects, self.model_name(generation), size)
+
+    def published(self, generation: int) -> None:
         self._published.add(generation)
 
     def model(self, generation: int, path: Path, digest: str) -> dict[str, Any]:
@@ -197,7 +202,8 @@ class ObjectBlobs:
     ) -> list[str]:
         """Delete the objects of the blobs in ``drop``, and objects or open uploads in neither
         set older than ``grace_s`` (uploaded but never submitted); global models of
-        generations before ``models_before``. Returns the blob keys deleted."""
+        generations before ``models_before``, and models' uploads left open (a merge that
+        stopped) older than ``grace_s``. Returns the blob keys deleted."""
         drop_set = {check_key(k) for k in drop}
         keep_set = {check_key(k) for k in keep} - drop_set
         cutoff = time.time() - grace_s
@@ -226,6 +232,9 @@ class ObjectBlobs:
             if started < cutoff and _key_of(name, blobs) not in keep_set:
                 self.objects.abort_upload(name, upload_id)
         models = f"{self.objects.prefix}models/"
+        for name, upload_id, started in self.objects.open_uploads(models):
+            if started < cutoff:  # a model's upload a merge stopped in (a crash)
+                self.objects.abort_upload(name, upload_id)
         for name, _ in self.objects.objects(models):
             stem = name[len(models) :].removeprefix("global-").removesuffix(".safetensors")
             if stem.isdigit() and int(stem) < models_before:

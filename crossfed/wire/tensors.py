@@ -47,6 +47,10 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 
+#: ``progress(fd, n)``: the first ``n`` bytes of the file open as ``fd`` are written
+Progress = Callable[[int, int], None]
+
+
 # --------------------------------------------------------------------------- safetensors
 @dataclass(frozen=True)
 class TensorSpec:
@@ -108,12 +112,19 @@ class StreamWriter:
     it and keeps no reference to it. ``digest`` is set once the file is in place.
     """
 
-    def __init__(self, handle: Any, specs: Sequence[TensorSpec], hasher: Hasher | None) -> None:
-        self._handle, self._hasher = handle, hasher
+    def __init__(
+        self,
+        handle: Any,
+        specs: Sequence[TensorSpec],
+        hasher: Hasher | None,
+        progress: Progress | None = None,
+    ) -> None:
+        self._handle, self._hasher, self._progress = handle, hasher, progress
         self._specs = list(specs)
         self._next = 0
         self._done: dict[int, int] = {}  # bytes written so far of tensors written in parts
         self._unsynced = 0
+        self._written = 0  # bytes written in order from the file's start
         self.digest = ""
 
     def _put(self, data: bytes | memoryview) -> None:
@@ -121,11 +132,14 @@ class StreamWriter:
             self._hasher.update(data)
         view = memoryview(data)
         self._unsynced += len(view)
+        self._written += len(view)
         while view:
             view = view[self._handle.write(view) :]
         if self._unsynced >= WRITEBACK_EVERY:
             start_writeback(self._handle.fileno())
             self._unsynced = 0
+        if self._progress is not None:
+            self._progress(self._handle.fileno(), self._written)
 
     def write(self, tensor: torch.Tensor) -> None:
         """Write the next tensor; it must match the next spec's dtype and shape."""
@@ -203,13 +217,19 @@ def stream_writer(
     metadata: Mapping[str, str] | None = None,
     *,
     algo: str | None = DEFAULT_ALGO,
+    progress: Progress | None = None,
 ) -> Iterator[StreamWriter]:
     """A safetensors file written atomically: the header now, each tensor by
     :meth:`StreamWriter.write`, and the file in place (fsync, rename, fsync of the folder)
-    when the block ends with every tensor written. An exception leaves no file behind."""
+    when the block ends with every tensor written. An exception leaves no file behind.
+
+    ``progress(fd, n)``, if given, is called each time the first ``n`` bytes of the file are
+    written (``fd``: the temp file being written; the file must be written in order)."""
+    if progress is not None and algo is None:
+        raise ValueError("progress is reported for a file written in order: give it a digest")
     hasher = new_hasher(algo) if algo else None
     with atomic_file(path, buffering=0) as handle:
-        writer = StreamWriter(handle, specs, hasher)
+        writer = StreamWriter(handle, specs, hasher, progress)
         writer._put(safetensors_header(specs, metadata))
         yield writer
         if not writer.complete:

@@ -267,6 +267,109 @@ def test_a_read_that_fails_on_the_reader_thread_is_raised_by_the_merge(tmp_path:
     assert [t.name for t in threading.enumerate() if t.name.startswith("generation-")] == []
 
 
+class _Gate:
+    """Where the deltas' reads of one piece meet: each read waits until every delta has
+    begun reading that piece, for at most ``timeout_s`` (the gate then breaks for good, so a
+    merge that reads one delta after another fails fast instead of waiting at every piece)."""
+
+    def __init__(self, parties: int, timeout_s: float = 10.0) -> None:
+        self.parties, self.timeout_s = parties, timeout_s
+        self.arrived: dict[tuple, int] = {}
+        self.cond = threading.Condition()
+        self.broken = False
+
+    def arrive(self, piece: tuple) -> None:
+        with self.cond:
+            self.arrived[piece] = self.arrived.get(piece, 0) + 1
+            self.cond.notify_all()
+            met = self.broken or self.cond.wait_for(
+                lambda: self.arrived[piece] >= self.parties, self.timeout_s
+            )
+            self.broken = self.broken or not met
+
+
+class _GatedDelta(TensorFile):
+    """A delta file whose every tensor read first waits at ``gate``; ``fail_at`` names a
+    tensor whose read raises instead (the store lost it)."""
+
+    def __init__(self, path: Path, gate: _Gate, fail_at: str | None = None) -> None:
+        super().__init__(path)
+        self.gate, self.fail_at = gate, fail_at
+
+    def read(self, name, out=None, *, rows=None):  # noqa: ANN001, ANN201
+        self.gate.arrive((name, rows))
+        if name == self.fail_at:
+            raise OSError(f"{self.path.name}: {name} is gone from the store")
+        return super().read(name, out, rows=rows)
+
+
+@pytest.mark.parametrize("limit", [1 << 30, 4 * 240], ids=["by-tensor", "by-rows"])
+def test_the_merge_reads_the_deltas_of_one_piece_side_by_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """Three deltas whose reads of a piece each wait until all three have begun it: the
+    merge gets through only if it reads them at once (the round trips of ranged reads from an
+    object store then overlap instead of adding up), and it writes what the in-memory step
+    computes, whole tensors or row blocks alike."""
+    monkeypatch.setattr(generations, "PIECE_BYTES", limit)
+    master, momentum = tensors(3, 0.5), tensors(4, 1e-3)
+    write_state(tmp_path / "master-1", master, momentum, interleaved=True)
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"delta-{i}")
+        save_tensors(tensors(20 + i, 0.01, torch.bfloat16), paths[-1])
+    gate = _Gate(3)
+    tokens = [50, 30, 20]
+
+    def step(emit):  # noqa: ANN001, ANN202
+        gated = [_GatedDelta(p, gate) for p in paths]
+        return merge_step(tmp_path / "master-1", SHAPES, gated, tokens, emit, OuterConfig())
+
+    out = tmp_path / "out"
+    _, report, _ = write_generation(
+        out / "master-2", out / "global-2", SHAPES, 2, step, momentum=True
+    )
+    assert not gate.broken, "the deltas of a piece were read one after another"
+    assert len(gate.arrived) >= len(SHAPES)
+    deltas = [load_file(str(p)) for p in paths]
+    assert report == outer_step(master, momentum, deltas, tokens, OuterConfig())
+    state = load_file(str(out / "master-2"))
+    assert all(torch.equal(state[k], master[k]) for k in master)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("generation-")] == []
+
+
+def test_a_delta_read_that_fails_beside_the_others_is_raised_and_no_reader_is_left(
+    tmp_path: Path,
+) -> None:
+    """The second of three deltas cannot read its fourth tensor while the other two read
+    theirs: the merge raises that error after the three tensors before it were written,
+    leaves no file, and no reader thread outlives it."""
+    master, momentum = tensors(3, 0.5), tensors(4, 1e-3)
+    write_state(tmp_path / "master-1", master, momentum, interleaved=True)
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"delta-{i}")
+        save_tensors(tensors(20 + i, 0.01, torch.bfloat16), paths[-1])
+    bad = list(SHAPES)[3]
+    gate = _Gate(3)
+    emitted: list[str] = []
+
+    def step(emit):  # noqa: ANN001, ANN202
+        def record(name: str, w: torch.Tensor, b: torch.Tensor | None):  # noqa: ANN202
+            emitted.append(name)
+            return emit(name, w, b)
+
+        gated = [_GatedDelta(p, gate, fail_at=bad if i == 1 else None) for i, p in enumerate(paths)]
+        return merge_step(tmp_path / "master-1", SHAPES, gated, [1, 1, 1], record, OuterConfig())
+
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match=rf"delta-1: {re.escape(bad)} is gone"):
+        write_generation(out / "master-2", out / "global-2", SHAPES, 2, step, momentum=True)
+    assert emitted == list(SHAPES)[:3] and not gate.broken
+    assert list(out.iterdir()) == []
+    assert [t.name for t in threading.enumerate() if t.name.startswith("generation-")] == []
+
+
 def test_tensor_file_reads_fresh_or_into_a_buffer_and_refuses_bad_headers(tmp_path: Path) -> None:
     master = tensors(5, 0.5)
     path = tmp_path / "s"

@@ -19,13 +19,17 @@ import yaml
 from safetensors.torch import save_file
 
 from crossfed.client.http import Refused
+from crossfed.coordinator import objectstore
+from crossfed.coordinator import store as state_db
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
+from crossfed.coordinator.generations import model_file_bytes, write_generation
 from crossfed.coordinator.objectstore import (
     ObjectStore,
     ObjectStoreError,
     ObjectTensorFile,
     S3Settings,
 )
+from crossfed.coordinator.s3blobs import ObjectBlobs
 from crossfed.wire.digests import digest_file
 from tests.conftest import SITES, LiveCoordinator, stop, tiny_spec
 from tests.helpers.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS
@@ -385,3 +389,127 @@ def test_a_delta_with_a_non_finite_value_is_refused_at_submission(
     assert refused.value.status == 422 and refused.value.code == "bad_delta"
     assert "non-finite" in refused.value.detail
     assert s3_run.client().round_info(1)["deltas"] == []
+
+
+def model_store(weed: SeaweedFS, prefix: str) -> ObjectStore:
+    """The coordinator's view of ``weed`` under ``prefix``, with S3's smallest parts."""
+    return ObjectStore(
+        S3Settings(bucket=weed.bucket, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                   endpoint=weed.endpoint, region=REGION, prefix=prefix, part_bytes=PART)
+    )  # fmt: skip
+
+
+def model_tensors(count: int = 6) -> dict[str, torch.Tensor]:
+    """Tensors of 2 MiB each in bf16: a 12 MiB model file goes up in three parts."""
+    gen = torch.Generator().manual_seed(0)
+    return {f"layer.{i}": torch.randn(1024, 1024, generator=gen) for i in range(count)}
+
+
+def open_uploads(weed: SeaweedFS, key: str) -> list[str]:
+    listing = bucket(weed).list_multipart_uploads(Bucket=weed.bucket, Prefix=key)
+    return [u["UploadId"] for u in listing.get("Uploads", [])]
+
+
+def test_a_global_model_goes_up_in_parts_while_the_merge_writes_it(
+    weed: SeaweedFS, tmp_path: Path
+) -> None:
+    """The merge's global model is uploaded part by part as the file grows: the first part
+    is stored while the last tensors are still to be written, and the object is the file."""
+    shapes = {k: tuple(v.shape) for k, v in model_tensors().items()}
+    values = model_tensors()
+    store = model_store(weed, "stream/")
+    blobs = ObjectBlobs(store, state_db.connect(tmp_path / "state.db"), threading.RLock())
+    size = model_file_bytes(shapes, 1)
+    upload = blobs.model_upload(1, size)
+    assert len(upload.layout) == 3  # 12 MiB and a header, in parts of 5 MiB
+    while_writing: list[tuple[bool, int]] = []
+
+    def fill(emit):  # noqa: ANN001, ANN202
+        for i, (name, value) in enumerate(values.items()):
+            written = emit(name, value, None)
+            if i == len(values) - 2:  # five of six tensors written: 10 MiB and the header
+                written.wait(timeout=30)
+                upload.sent[0].result(timeout=30)
+                while_writing.append((upload.sent[0].done(), len(upload.sent)))
+
+    digest, _, _ = write_generation(
+        tmp_path / "master-1", tmp_path / "global-1", shapes, 1, fill, momentum=False,
+        model_progress=upload.written,
+    )  # fmt: skip
+    # the first part is stored and the second on its way before the last tensor is written;
+    # the third, the file's tail, only once it is
+    assert while_writing == [(True, 2)]
+    upload.finish()
+    assert (tmp_path / "global-1").stat().st_size == size
+    body = bucket(weed).get_object(Bucket=weed.bucket, Key=blobs.model_name(1))["Body"].read()
+    assert body == (tmp_path / "global-1").read_bytes()
+    assert open_uploads(weed, blobs.model_name(1)) == []
+    assert store.moved["written"] == size
+
+
+def test_a_merge_that_fails_leaves_no_model_object_and_no_open_upload(
+    weed: SeaweedFS, tmp_path: Path
+) -> None:
+    """A merge that fails after the first part went up aborts the model's upload: no
+    object, no open upload; one left open by a merge that was killed is reaped by retention
+    once it is older than the grace."""
+    shapes = {k: tuple(v.shape) for k, v in model_tensors().items()}
+    values = model_tensors()
+    store = model_store(weed, "failed/")
+    blobs = ObjectBlobs(store, state_db.connect(tmp_path / "state.db"), threading.RLock())
+    upload = blobs.model_upload(1, model_file_bytes(shapes, 1))
+
+    def fill(emit):  # noqa: ANN001, ANN202
+        for i, (name, value) in enumerate(values.items()):
+            emit(name, value, None).wait(timeout=30)
+            if i == 3:
+                upload.sent[0].result(timeout=30)
+                raise OSError("a delta is unreadable")
+
+    with pytest.raises(OSError, match="unreadable"):
+        try:
+            write_generation(
+                tmp_path / "master-1", tmp_path / "global-1", shapes, 1, fill, momentum=False,
+                model_progress=upload.written,
+            )  # fmt: skip
+        except BaseException:
+            upload.abort()
+            raise
+    assert open_uploads(weed, blobs.model_name(1)) == []
+    assert store.size(blobs.model_name(1)) is None
+    assert not (tmp_path / "global-1").exists()
+    # a killed merge's upload stays open until retention reaps it
+    killed = blobs.model_upload(2, model_file_bytes(shapes, 2))
+    assert open_uploads(weed, blobs.model_name(2)) == [killed.upload_id]
+    blobs.prune([], [], models_before=0, grace_s=3600)
+    assert open_uploads(weed, blobs.model_name(2)) == [killed.upload_id]
+    blobs.prune([], [], models_before=0, grace_s=-60)
+    assert open_uploads(weed, blobs.model_name(2)) == []
+
+
+def test_an_object_is_read_back_for_its_digest_in_ranges_side_by_side(
+    weed: SeaweedFS, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 23 MiB object read back in 5 MiB ranges: the first four are in flight at once (each
+    waits until all four have started), the digest is the file's, the check made in the same
+    pass sees every byte in order, and the bytes are counted once."""
+    monkeypatch.setattr(objectstore, "STRIPE_BYTES", 5 * MiB)
+    store = model_store(weed, "digest/")
+    path = big_file(tmp_path / "blob", size=23 * MiB + 7)
+    bucket(weed).upload_file(str(path), weed.bucket, "digest/blob")
+    together = threading.Barrier(store.transfer.max_concurrency, timeout=10)
+    fetch, started = store._fetch, []
+
+    def gated(name: str, offset: int, view: memoryview) -> int:
+        started.append(offset)
+        if len(started) <= store.transfer.max_concurrency:
+            together.wait()
+        return fetch(name, offset, view)
+
+    monkeypatch.setattr(store, "_fetch", gated)
+    seen = bytearray()
+    digest, size = store.digest("digest/blob", "blake3", seen.extend)
+    assert (digest, size) == (digest_file(path), path.stat().st_size)
+    assert bytes(seen) == path.read_bytes()
+    assert sorted(started) == list(range(0, size, 5 * MiB))
+    assert store.moved["read"] == size
