@@ -16,9 +16,16 @@ the coordinator merges them into generation 1, and every site downloads it. Meas
 - ``close_s``: the round's merge and checkpoint seconds (the coordinator's report): deltas
   read from local files against ranged reads from the store (the model's upload included).
 
+``--store-rtt-ms R`` puts the object store behind an emulated link of round-trip time R
+(:mod:`crossfed.testing.wan_emulator`, Linux's default window per connection), for the
+coordinator and the sites alike: a coordinator whose VM is not beside the store (LUMI-O is
+70 ms from the paper's coordinator, Table 3), where the merge's ranged reads are bound by
+round trips and windows rather than by the machine.
+
 Prints one JSON object as its last line.
 
     .venv/bin/python bench/objectstore.py                          # Qwen3-0.6B, 3 sites
+    .venv/bin/python bench/objectstore.py --store-rtt-ms 70         # the store 70 ms away
     .venv/bin/python bench/objectstore.py --flavour tiny --sites 1  # seconds
 """
 
@@ -45,6 +52,7 @@ from crossfed.client.http import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator  # noqa: E402
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
 from crossfed.darl.blockspace import BlockSpace  # noqa: E402
+from crossfed.testing.wan_emulator import EmulatorProcess, Link  # noqa: E402
 from tests.helpers.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS  # noqa: E402
 
 SITE_NAMES = ["lumi", "snellius", "frontier", "leonardo", "jupiter", "alps", "mn5", "vega"]
@@ -60,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flavour", default="0.6B", help="Qwen3 flavour (default: 0.6B)")
     parser.add_argument("--sites", type=int, default=3, help="sites in the round (default: 3)")
     parser.add_argument("--streams", type=int, default=4, help="parallel parts per transfer")
+    parser.add_argument(
+        "--store-rtt-ms",
+        type=float,
+        default=0.0,
+        help="the object store's round-trip time from the coordinator and the sites, through "
+        "the WAN emulator (default: 0, the store on loopback beside them)",
+    )
     parser.add_argument("--workdir", help="where the stores live (default: a temp directory)")
     return parser.parse_args(argv)
 
@@ -94,7 +109,11 @@ def write_delta(reference: Path, out: Path, seed: int) -> Path:
 
 
 def one_round(
-    backend: str, args: argparse.Namespace, root: Path, weed: SeaweedFS | None
+    backend: str,
+    args: argparse.Namespace,
+    root: Path,
+    weed: SeaweedFS | None,
+    endpoint: str | None = None,
 ) -> dict[str, Any]:
     """One round against a fresh coordinator keeping blobs in ``backend``; its figures."""
     state = root / f"coordinator-{backend}"
@@ -106,7 +125,9 @@ def one_round(
         secrets["s3"] = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY}
         (state / "secrets.yaml").write_text(yaml.safe_dump(secrets))
         blobs = state / "blobs.yaml"
-        blobs.write_text(yaml.safe_dump({"blobs": weed.blobs_config(prefix="bench/")}))
+        section = weed.blobs_config(prefix="bench/")
+        section["s3"]["endpoint"] = endpoint or section["s3"]["endpoint"]
+        blobs.write_text(yaml.safe_dump({"blobs": section}))
     port = free_port("127.0.0.1")
     proc = spawn_coordinator(state, state / "secrets.yaml", "127.0.0.1", port, 600, blobs=blobs)
     url = f"http://127.0.0.1:{port}"
@@ -178,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         file = one_round("file", args, root, None)
         print(f"file store: {json.dumps(file)}", flush=True)
         with SeaweedFS(root / "weed") as weed:
-            s3 = one_round("s3", args, root, weed)
+            if args.store_rtt_ms > 0:
+                link = Link("store", "127.0.0.1", weed.ports["s3"], args.store_rtt_ms)
+                with EmulatorProcess([link]) as ports:
+                    s3 = one_round("s3", args, root, weed, f"http://127.0.0.1:{ports['store']}")
+            else:
+                s3 = one_round("s3", args, root, weed)
         print(f"object store: {json.dumps(s3)}", flush=True)
     finally:
         if not args.workdir:
@@ -187,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "flavour": args.flavour,
         "sites": args.sites,
+        "store_rtt_ms": args.store_rtt_ms,
         "payload_gb": round(file["payload_bytes"] / 1e9, 3),
         "api_bytes_file": file["api_bytes"],
         "api_bytes_s3": s3["api_bytes"],

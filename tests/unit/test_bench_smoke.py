@@ -86,7 +86,7 @@ SMOKES = [
     ),
     Smoke(
         "bench/objectstore.py",
-        "--flavour tiny --sites 1 --streams 1 --workdir {tmp}/objectstore",
+        "--flavour tiny --sites 1 --streams 1 --store-rtt-ms 3 --workdir {tmp}/objectstore",
         (
             "api_bytes_file",
             "api_bytes_s3",
@@ -95,6 +95,7 @@ SMOKES = [
             "close_s_file",
             "close_s_s3",
             "process_ratio",
+            "store_rtt_ms",
         ),
     ),  # fmt: skip
     Smoke("bench/planner.py", "", ("plan_s", "target_s", "ratio")),
