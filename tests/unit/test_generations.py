@@ -114,18 +114,26 @@ def write_state(path: Path, master: dict, momentum: dict, *, interleaved: bool) 
     save_tensors(state, path, {"generation": "1"}, algo=None)
 
 
+def generation_one(
+    tmp_path: Path, deltas: int, *, interleaved: bool = True
+) -> tuple[dict, dict, list[Path]]:
+    """Generation 1's state on disk (master and momentum) and ``deltas`` bf16 delta files."""
+    master, momentum = tensors(3, 0.5), tensors(4, 1e-3)
+    write_state(tmp_path / "master-1", master, momentum, interleaved=interleaved)
+    paths = []
+    for i in range(deltas):
+        paths.append(tmp_path / f"delta-{i}")
+        save_tensors(tensors(20 + i, 0.01, torch.bfloat16), paths[-1])
+    return master, momentum, paths
+
+
 @pytest.mark.parametrize("interleaved", [True, False], ids=["new-layout", "old-layout"])
 def test_a_merge_from_files_writes_what_the_in_memory_step_computes(
     tmp_path: Path, interleaved: bool
 ) -> None:
     """Generation 1 on disk (in either tensor order), two delta files in, generation 2's
     files out: fp32 state, bf16 model and its digest equal the in-memory step's."""
-    master, momentum = tensors(3, 0.5), tensors(4, 1e-3)
-    write_state(tmp_path / "master-1", master, momentum, interleaved=interleaved)
-    paths = []
-    for i in range(2):
-        paths.append(tmp_path / f"delta-{i}")
-        save_tensors(tensors(20 + i, 0.01, torch.bfloat16), paths[-1])
+    master, momentum, paths = generation_one(tmp_path, 2, interleaved=interleaved)
     shapes = read_shapes(tmp_path / "master-1")
     assert shapes == SHAPES
 
@@ -312,12 +320,7 @@ def test_the_merge_reads_the_deltas_of_one_piece_side_by_side(
     object store then overlap instead of adding up), and it writes what the in-memory step
     computes, whole tensors or row blocks alike."""
     monkeypatch.setattr(generations, "PIECE_BYTES", limit)
-    master, momentum = tensors(3, 0.5), tensors(4, 1e-3)
-    write_state(tmp_path / "master-1", master, momentum, interleaved=True)
-    paths = []
-    for i in range(3):
-        paths.append(tmp_path / f"delta-{i}")
-        save_tensors(tensors(20 + i, 0.01, torch.bfloat16), paths[-1])
+    master, momentum, paths = generation_one(tmp_path, 3)
     gate = _Gate(3)
     tokens = [50, 30, 20]
 
@@ -344,12 +347,7 @@ def test_a_delta_read_that_fails_beside_the_others_is_raised_and_no_reader_is_le
     """The second of three deltas cannot read its fourth tensor while the other two read
     theirs: the merge raises that error after the three tensors before it were written,
     leaves no file, and no reader thread outlives it."""
-    master, momentum = tensors(3, 0.5), tensors(4, 1e-3)
-    write_state(tmp_path / "master-1", master, momentum, interleaved=True)
-    paths = []
-    for i in range(3):
-        paths.append(tmp_path / f"delta-{i}")
-        save_tensors(tensors(20 + i, 0.01, torch.bfloat16), paths[-1])
+    master, momentum, paths = generation_one(tmp_path, 3)
     bad = list(SHAPES)[3]
     gate = _Gate(3)
     emitted: list[str] = []
