@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -190,13 +191,17 @@ class Closing(Views):
         assert self.spec is not None
         if self.spec.second_moment != moments.SHARED:
             return {}
-        sent: list[dict[str, torch.Tensor]] = []
-        for delta, path in zip(deltas, paths, strict=True):
+
+        def read(path: Path | TensorFile) -> dict[str, torch.Tensor]:
             if isinstance(path, TensorFile):  # an object: the merge closes it
-                factors = decoded(path).moments()
-            else:
-                with TensorFile(path) as handle:
-                    factors = decoded(handle).moments()
+                return decoded(path).moments()
+            with TensorFile(path) as handle:
+                return decoded(handle).moments()
+
+        with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:  # round trips overlap
+            read_back = list(pool.map(read, paths))
+        sent: list[dict[str, torch.Tensor]] = []
+        for delta, factors in zip(deltas, read_back, strict=True):
             wrong = moments.problem(factors, self.shapes)
             if wrong:
                 log.warning("second-moment factors of site %s left out: %s", delta["site"], wrong)

@@ -1,6 +1,7 @@
 """The delta check of a plain (bf16/fp32) delta made on its bytes as they stream past once,
 while the coordinator hashes an uploaded object: the same tensors, dtypes and shapes as the
-master, every value finite.
+master, every value finite. The second-moment factors a site appends (:mod:`crossfed.moments`)
+are passed over, as the full check passes over them: the merge checks those.
 
 It only ever vouches: a delta it passes is one :func:`crossfed.outer.validate_delta` passes.
 Anything else (a codec's delta, a header it cannot read, a bad tensor) leaves the delta
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from crossfed.moments import is_moment_key
 from crossfed.wire.codecs import CODEC_KEY
 from crossfed.wire.tensors import DTYPES_BY_NAME, HEADER_MAX_BYTES
 
@@ -30,7 +32,9 @@ class StreamingDeltaCheck:
         self.failed = False
         self._head = bytearray()
         self._header_len: int | None = None
-        self._plan: list[tuple[int, int, torch.dtype]] | None = None  # absolute start, end
+        #: each tensor's absolute start and end, and the dtype its values are checked as
+        #: (None: a second-moment factor, passed over)
+        self._plan: list[tuple[int, int, torch.dtype | None]] | None = None
         self._at = 0  # bytes fed so far
         self._index = 0  # the tensor whose bytes come next
         self._carry = b""  # the start of an element split between chunks
@@ -57,7 +61,8 @@ class StreamingDeltaCheck:
                 return
             _, end, dtype = self._plan[self._index]
             take = min(len(view), end - self._at)
-            self._check(dtype, bytes(view[:take]))
+            if dtype is not None:
+                self._check(dtype, bytes(view[:take]))
             view = view[take:]
             self._at += take
             if self._at == end:
@@ -78,18 +83,25 @@ class StreamingDeltaCheck:
             self._plan = self._planned(json.loads(bytes(self._head[8:])), 8 + self._header_len)
         return view[take:]
 
-    def _planned(self, header: dict, base: int) -> list[tuple[int, int, torch.dtype]] | None:
+    def _planned(self, header: dict, base: int) -> list[tuple[int, int, torch.dtype | None]] | None:
         meta = header.pop("__metadata__", None) or {}
-        if meta.get(CODEC_KEY, "none") != "none" or set(header) != set(self.shapes):
+        model = {k for k in header if not is_moment_key(k)}
+        if meta.get(CODEC_KEY, "none") != "none" or model != set(self.shapes):
             self.failed = True
             return None
         plan = []
         for name, entry in header.items():
-            dtype = _PLAIN.get(entry["dtype"])
             shape = tuple(int(d) for d in entry["shape"])
             start, end = (int(x) for x in entry["data_offsets"])
             size = DTYPES_BY_NAME[entry["dtype"]].itemsize
-            if dtype is None or shape != self.shapes[name] or end - start != size * _count(shape):
+            if end - start != size * _count(shape):
+                self.failed = True
+                return None
+            if name not in model:  # a second-moment factor: the merge checks those
+                plan.append((base + start, base + end, None))
+                continue
+            dtype = _PLAIN.get(entry["dtype"])
+            if dtype is None or shape != self.shapes[name]:
                 self.failed = True
                 return None
             plan.append((base + start, base + end, dtype))

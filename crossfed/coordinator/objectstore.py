@@ -524,11 +524,11 @@ class ModelUpload:
             number, offset, length = self.layout[len(self.sent)]
             if offset + length > done:
                 return
-            read = self.pool.submit(
+            part = self.pool.submit(
                 self.store.upload_part_from, self.name, self.upload_id, number, self.fd,
                 offset, length,
             )  # fmt: skip
-            self.sent.append(read)
+            self.sent.append(part)
 
     def finish(self) -> None:
         """Every part stored and the object complete, or the error of the first part that

@@ -416,9 +416,13 @@ class DecodedDelta(Mapping[str, Tensor]):
     def moments(self) -> dict[str, Tensor]:
         """The site's second-moment factors the file carries (:mod:`crossfed.moments`;
         empty: none), in fp32. They are not among the mapping's keys."""
+        read_many = getattr(self.handle, "read_many", None)  # a TensorFile: one read a run
+        if read_many is not None:
+            stored = read_many(self._moments)
+        else:
+            stored = {key: self.handle.get_tensor(key) for key in self._moments}
         out = {}
-        for key in self._moments:
-            value = self.handle.get_tensor(key)
+        for key, value in stored.items():
             if not value.is_floating_point():
                 raise CodecError(f"second-moment factor {key!r} is stored as {value.dtype}", key)
             out[key] = value.float()

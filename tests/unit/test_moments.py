@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from crossfed import moments
 from crossfed.coordinator.service import Coordinator
-from crossfed.wire.codecs import open_delta, save_delta
+from crossfed.wire.codecs import decoded, open_delta, save_delta
+from crossfed.wire.tensors import TensorFile
 from tests.conftest import chunked, digest_of, tiny_spec
 
 
@@ -152,6 +153,40 @@ def test_a_delta_file_carries_factors_beside_the_delta_not_among_its_tensors(
                                factors[moments.factor_key("w", moments.ROW)])  # fmt: skip
     with pytest.raises(ValueError, match="is not a second-moment factor"):
         save_delta(site, ref, tmp_path / "bad.safetensors", extra={"w": torch.ones(1)})
+
+
+class _CountedReads(TensorFile):
+    """A delta file that counts its reads of tensor bytes (each would be one ranged GET of
+    an object in the store)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.reads = 0
+
+    def _readinto(self, view: memoryview, offset: int) -> int:
+        self.reads += 1
+        return super()._readinto(view, offset)
+
+
+def test_a_deltas_factors_are_read_in_one_read_whatever_their_number(tmp_path: Path) -> None:
+    """The factors a site appends to its delta lie back to back, so the merge reads them in
+    one read (one ranged GET of an object, not one per factor: 700 at Qwen3-0.6B), with the
+    values each factor's own read gives; tensors with a gap between them are read in a run
+    each."""
+    shapes = {f"layers.{i}.w": (6, 4) for i in range(5)} | {"norm": (4,)}
+    ref = {k: torch.randn(shape) for k, shape in shapes.items()}
+    factors = _factors_of(shapes, seed=3)
+    path = tmp_path / "delta.safetensors"
+    save_delta({k: v + 0.01 for k, v in ref.items()}, ref, path, extra=factors)
+    with _CountedReads(path) as handle:
+        got = decoded(handle).moments()
+        assert handle.reads == 1 and len(got) == len(factors) == 16
+        assert all(torch.equal(got[k], handle.get_tensor(k)) for k in factors)
+        apart = ["layers.0.w", "layers.1.w", "norm"]  # layers.2-4 lie between them
+        before = handle.reads
+        many = handle.read_many(apart)
+        assert handle.reads - before == 2 and list(many) == apart
+        assert all(torch.equal(many[k], handle.get_tensor(k)) for k in apart)
 
 
 def _submit(coord: Coordinator, site: str, master0: dict, seed: int, tokens: int,

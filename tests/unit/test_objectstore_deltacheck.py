@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from crossfed import moments
 from crossfed.coordinator.deltacheck import StreamingDeltaCheck
 from crossfed.outer import validate_delta
 from crossfed.wire.codecs import open_delta, save_delta
@@ -56,6 +57,11 @@ def test_it_agrees_with_the_full_check_on_random_deltas(tmp_path: Path) -> None:
             tensors[name] = tensors[name].to(torch.float16)
         elif change < 0.6:
             tensors["extra"] = torch.zeros(2)
+        if rng.random() < 0.5:  # the second-moment factors a site appends (passed over)
+            for key, shape in moments.expected_shapes(SHAPES).items():
+                tensors[key] = torch.rand(shape) + 1e-6
+                if rng.random() < 0.1:
+                    tensors[key].view(-1)[0] = float("nan")  # the merge's to judge
         path = tmp_path / f"d{i}.safetensors"
         save_file(tensors, str(path))
         passed, full = verdicts(path, rng, rng.choice([1, 3, 64, 1 << 20]))
@@ -72,6 +78,23 @@ def test_a_codecs_delta_is_left_to_the_full_check(codec: str, tmp_path: Path) ->
     save_delta(site, master, path, codec=codec)
     passed, _ = verdicts(path, random.Random(1), 64)
     assert not passed
+
+
+def test_a_delta_carrying_second_moment_factors_is_vouched_for_in_one_pass(
+    tmp_path: Path,
+) -> None:
+    """A site's delta with the factors it appends (the workflow's default) passes the
+    check made while it is hashed, so its submission reads it no second time; a non-finite
+    value among the delta's own tensors still fails it."""
+    master = {k: torch.randn(v) for k, v in SHAPES.items()}
+    factors = {k: torch.rand(v) + 1e-6 for k, v in moments.expected_shapes(SHAPES).items()}
+    path = tmp_path / "delta.safetensors"
+    save_delta({k: v + 0.01 for k, v in master.items()}, master, path, extra=factors)
+    assert verdicts(path, random.Random(2), 64) == (True, True)
+    site = {k: v + 0.01 for k, v in master.items()}
+    site["b"][3] = float("inf")
+    save_delta(site, master, path, extra=factors)
+    assert verdicts(path, random.Random(3), 64) == (False, False)
 
 
 def test_bytes_cut_short_or_trailing_are_not_vouched_for(tmp_path: Path) -> None:
