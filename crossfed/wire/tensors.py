@@ -405,14 +405,18 @@ class TensorFile:
             raise ValueError(f"buffer {out.dtype} x{out.numel()} cannot hold {spec}")
         else:
             tensor = out.view(-1)[:numel].view(shape)
-        view = _raw_bytes(tensor)
+        self._fill(_raw_bytes(tensor), offset, name)
+        return tensor
+
+    def _fill(self, view: memoryview, offset: int, name: str) -> None:
+        """All of ``view`` from the file at ``offset`` (in reads of at most
+        :data:`READ_CHUNK`); a file that ends first is tensor ``name`` cut short."""
         done = 0
         while done < len(view):
             n = self._readinto(view[done : done + READ_CHUNK], offset + done)
             if n == 0:
                 raise ValueError(f"{self.path.name}: tensor {name!r} is cut short")
             done += n
-        return tensor
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a new tensor (``safe_open`` handle's spelling)."""
@@ -438,13 +442,8 @@ class TensorFile:
         """Tensors lying back to back from ``run[0]``'s offset, read at once."""
         start = run[0][0]
         end = run[-1][0] + self._entries[run[-1][1]][0].nbytes
-        data = bytearray(end - start)
-        view, done = memoryview(data), 0
-        while done < len(data):
-            n = self._readinto(view[done : done + READ_CHUNK], start + done)
-            if n == 0:
-                raise ValueError(f"{self.path.name}: tensor {run[-1][1]!r} is cut short")
-            done += n
+        view = memoryview(bytearray(end - start))
+        self._fill(view, start, run[-1][1])
         tensors = {}
         for offset, name in run:
             spec = self._entries[name][0]
