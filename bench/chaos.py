@@ -72,7 +72,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from crossfed.client.http import CoordinatorClient, Refused, Unreachable  # noqa: E402
-from crossfed.coordinator.embedded import ensure_secrets, free_port  # noqa: E402
+from crossfed.coordinator.embedded import (  # noqa: E402
+    ensure_secrets,
+    free_port,
+    wait_until_serving,
+)
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
 from crossfed.train.schedule import LRSchedule  # noqa: E402
 
@@ -241,19 +245,8 @@ def spawn_coordinator(
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = (state_dir / "coordinator.log").read_text()[-3000:]
-            raise RuntimeError(f"coordinator exited with {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(f"http://{HOST}:{port}/v1/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("coordinator did not start")
+    wait_until_serving(proc, state_dir, HOST, port, timeout_s)
+    return proc
 
 
 def spawn_worker(

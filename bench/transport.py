@@ -43,14 +43,17 @@ import time
 from pathlib import Path
 
 import blake3
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge import scaled_layout  # noqa: E402  (sibling benchmark: the Qwen3-0.6B layout)
 
 from crossfed.client.http import CoordinatorClient  # noqa: E402
-from crossfed.coordinator.embedded import ensure_secrets, free_port  # noqa: E402
+from crossfed.coordinator.embedded import (  # noqa: E402
+    ensure_secrets,
+    free_port,
+    wait_until_serving,
+)
 from crossfed.wire.digests import iter_chunks  # noqa: E402
 from crossfed.wire.libc import keep_stream_buffers_in_heap  # noqa: E402
 from crossfed.wire.tensors import TensorSpec, save_stream  # noqa: E402
@@ -143,21 +146,12 @@ def start_coordinator(
     cmd += [str(state_dir), "--secrets", str(state_dir / "secrets.yaml"), "--port", str(port)]
     if tls is not None:
         cmd += ["--ssl-certfile", str(tls[0]), "--ssl-keyfile", str(tls[1])]
-    log = open(state_dir / "coordinator.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"{'http' if tls is None else 'https'}://localhost:{port}/v1/health"
+    with open(state_dir / "coordinator.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     verify = True if tls is None else ssl.create_default_context(cafile=str(tls[0]))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((state_dir / "coordinator.log").read_text()[-3000:])
-        try:
-            if httpx.get(url, timeout=1, verify=verify).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("coordinator did not start")
+    scheme = "http" if tls is None else "https"
+    wait_until_serving(proc, state_dir, "localhost", port, 300.0, scheme, verify)
+    return proc
 
 
 def rss_bytes(pid: int) -> tuple[int, int]:

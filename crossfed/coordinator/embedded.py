@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -115,13 +116,14 @@ def wait_until_serving(
     port: int,
     timeout_s: float,
     scheme: str = "http",
+    verify: ssl.SSLContext | bool = True,
 ) -> None:
     """Poll ``/v1/health`` until ``proc`` itself answers; kill it if it never does.
 
     An answer from another process (one that took ``port`` while ``proc`` was starting, e.g. a
     coordinator of a test running at the same time) is not taken for ``proc``'s: ``proc``
     then fails to bind and exits, which raises ``EndpointError``. With ``scheme="https"``
-    the certificate must be trusted (``SSL_CERT_FILE``).
+    the certificate must be trusted (``SSL_CERT_FILE``, or the context ``verify``).
     """
     log_path = state_dir / "coordinator.log"
     url = f"{scheme}://{host}:{port}"
@@ -131,7 +133,7 @@ def wait_until_serving(
             tail = log_path.read_text(errors="replace")[-2000:]
             raise EndpointError(f"coordinator exited with {proc.returncode}; {log_path}:\n{tail}")
         try:
-            answer = httpx.get(f"{url}/v1/health", timeout=2)
+            answer = httpx.get(f"{url}/v1/health", timeout=2, verify=verify)
             if answer.status_code == 200 and answer.json().get("pid") == proc.pid:
                 return
         except (httpx.TransportError, ValueError):
