@@ -51,6 +51,11 @@ def run_workflow(root: Path, overlap: dict, rounds: int | None, cores: int | Non
     return run_local_workflow(root, config, f"overlap={overlap}", cores)
 
 
+def tail(path: Path, lines: int = 12) -> str:
+    """The last ``lines`` lines of a log."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
 def run_local_workflow(
     root: Path, config: dict, what: str, cores: int | None = None, env: dict | None = None
 ) -> dict:
@@ -68,10 +73,17 @@ def run_local_workflow(
         done = subprocess.run(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - t0
     if done.returncode != 0:
-        tail = (root / "snakemake.out").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"the workflow with {what} failed:\n{tail}")
+        end = (root / "snakemake.out").read_text(errors="replace")[-3000:]
+        raise SystemExit(f"the workflow with {what} failed:\n{end}")
     results = root / "results"
     final = json.loads((results / "metrics" / "final.json").read_text())
+    if not (results / "metrics" / "sites.csv").read_text().strip():
+        logs = sorted((results / "logs" / "train").glob("*.log"))
+        tails = "".join(f"\n--- {p}:\n{tail(p)}" for p in logs)
+        raise SystemExit(
+            f"the workflow with {what} exited 0 but recorded no site's round (an empty"
+            f" metrics/sites.csv); its site jobs' logs end:{tails}"
+        )
     sites = pd.read_csv(results / "metrics" / "sites.csv")
     accepted = sites[sites["status"] == "accepted"]
     folded = accepted["fold_step"].notna() if "fold_step" in accepted else pd.Series([], bool)
