@@ -165,7 +165,7 @@ class Closing(Views):
         assert self.spec is not None
         started = self.monotonic()
         generation = current["generation"] + 1
-        paths: list[Path | TensorFile] = [self._delta_source(d) for d in deltas]
+        paths = self._delta_sources(deltas)
         tokens = [d["tokens"] for d in deltas]
 
         def step(emit: Emit) -> OuterStepReport:
@@ -209,16 +209,20 @@ class Closing(Views):
             sent.append(factors)
         return moments.merge(sent, tokens)
 
-    def _delta_source(self, delta: dict[str, Any]) -> Path | TensorFile:
-        """Where the merge reads an accepted delta: its file, or its object in ranges."""
+    def _delta_sources(self, deltas: list[dict[str, Any]]) -> list[Path | TensorFile]:
+        """Where the merge reads the accepted deltas: their files, or their objects in
+        ranges (opened side by side)."""
         if self.s3 is None:
-            return self.blobs.path(delta["blob"])
-        owner = self.s3.owner_for(delta["blob"], delta["site"])
-        if owner is None:
-            raise CoordinatorError(
-                500, "missing_object", f"accepted delta {delta['blob']} has no stored object"
-            )
-        return self.s3.open(delta["blob"], owner)
+            return [self.blobs.path(delta["blob"]) for delta in deltas]
+        refs = []
+        for delta in deltas:
+            owner = self.s3.owner_for(delta["blob"], delta["site"])
+            if owner is None:
+                raise CoordinatorError(
+                    500, "missing_object", f"accepted delta {delta['blob']} has no stored object"
+                )
+            refs.append((delta["blob"], owner))
+        return list(self.s3.open_many(refs))
 
     def _publish(
         self,

@@ -47,6 +47,9 @@ DEFAULT_PART_BYTES = 64 << 20
 DEFAULT_URL_EXPIRY_S = 900.0
 #: bytes of one ranged read when the coordinator reads an object back for its digest
 STRIPE_BYTES = 16 << 20
+#: the first bytes of an object a merge opens, read with its size in one GET: a safetensors
+#: header of a few hundred tensors (a model's, its factors' included) fits
+HEAD_BYTES = 64 << 10
 BACKENDS = ("file", "s3")
 
 
@@ -409,6 +412,26 @@ class ObjectStore:
             raise _unreachable("reading an object back", EOFError(f"{got} of {length} bytes"))
         return bytes(data)
 
+    def read_head(self, name: str, length: int) -> tuple[bytes, int]:
+        """The first ``length`` bytes of object ``name`` (fewer if it is shorter) and its
+        size, in one GET (a HEAD and then a GET would be two round trips)."""
+        try:
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=name, Range=f"bytes=0-{max(length, 1) - 1}"
+            )
+            head = response["Body"].read()
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"no object {name} in bucket {self.bucket}") from None
+            if _code(exc) in ("416", "InvalidRange"):  # an empty object has no first byte
+                return b"", 0
+            raise _unreachable(f"reading {name}", exc) from exc
+        except (BotoCoreError, OSError) as exc:
+            raise _unreachable(f"reading {name}", exc) from exc
+        self._count("read", len(head))
+        total = str(response.get("ContentRange", "")).rpartition("/")[2]
+        return head, int(total) if total.isdigit() else len(head)
+
     def read_range(self, name: str, offset: int, view: memoryview) -> int:
         """Bytes of object ``name`` at ``offset`` into ``view``; how many arrived."""
         done = self._fetch(name, offset, view)
@@ -479,14 +502,20 @@ class ObjectTensorFile(TensorFile):
     reads a file with ``pread``: a reader holds the tensors it keeps and nothing more."""
 
     def __init__(self, store: ObjectStore, name: str) -> None:
+        """Opening costs one GET (the object's first :data:`HEAD_BYTES` and its size), two
+        when the safetensors header is longer."""
         self.store, self.name, self.path = store, name, Path(name)
         self._fd = -1
-        size = store.size(name)
-        if size is None:
-            raise FileNotFoundError(f"no object {name} in bucket {store.bucket}")
-        self._meta, self._entries = self._parse(size)
+        self._head, size = store.read_head(name, HEAD_BYTES)
+        self._whole = len(self._head) >= size  # a short object: all of it is here
+        try:
+            self._meta, self._entries = self._parse(size)
+        finally:
+            self._head, self._whole = b"", False  # the tensors are read in ranges of their own
 
     def _pread(self, length: int, offset: int) -> bytes:
+        if self._whole or offset + length <= len(self._head):
+            return self._head[offset : offset + length]
         buffer = bytearray(length)
         done = self._readinto(memoryview(buffer), offset)
         return bytes(buffer[:done])

@@ -17,6 +17,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,14 @@ class ObjectBlobs:
     def open(self, key: str, owner: str) -> ObjectTensorFile:
         """Blob ``key`` of ``owner`` as a tensor file read in ranges."""
         return ObjectTensorFile(self.objects, self.blob_name(key, owner))
+
+    def open_many(self, refs: list[tuple[str, str]]) -> list[ObjectTensorFile]:
+        """Blobs ``(key, owner)`` opened side by side (a round's deltas: each opening is a
+        round trip to the store), in order."""
+        if len(refs) < 2:
+            return [self.open(key, owner) for key, owner in refs]
+        with ThreadPoolExecutor(len(refs), thread_name_prefix="delta-open") as pool:
+            return list(pool.map(lambda ref: self.open(*ref), refs))
 
     def download(self, key: str, owner: str) -> dict[str, Any]:
         """A presigned GET of ``owner``'s stored blob ``key``."""

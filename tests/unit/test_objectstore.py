@@ -513,3 +513,68 @@ def test_an_object_is_read_back_for_its_digest_in_ranges_side_by_side(
     assert bytes(seen) == path.read_bytes()
     assert sorted(started) == list(range(0, size, 5 * MiB))
     assert store.moved["read"] == size
+
+
+def store_calls(store: ObjectStore) -> list[str]:
+    """The S3 operations ``store`` sends from now on, in order (boto3's own event hook)."""
+    calls: list[str] = []
+    store.client.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+    return calls
+
+
+def test_an_object_a_merge_opens_costs_one_get(
+    weed: SeaweedFS, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a delta's object reads its header and size in one GET (a HEAD and two GETs
+    before: three round trips a delta, before the merge starts); a header longer than that
+    first read costs one GET more; tensors read as from the file; a missing object is named,
+    an empty one is too short."""
+    store = model_store(weed, "open/")
+    values = {k: v.to(torch.bfloat16) for k, v in model_tensors(3).items()}
+    path = tmp_path / "delta.safetensors"
+    save_file(values, str(path))
+    bucket(weed).upload_file(str(path), weed.bucket, "open/delta")
+    calls = store_calls(store)
+    handle = ObjectTensorFile(store, "open/delta")
+    assert calls == ["GetObject"]
+    assert handle.keys() == list(values)
+    assert all(torch.equal(handle.get_tensor(k), v) for k, v in values.items())
+    monkeypatch.setattr(objectstore, "HEAD_BYTES", 16)  # the header's length, not the header
+    calls.clear()
+    again = ObjectTensorFile(store, "open/delta")
+    assert calls == ["GetObject", "GetObject"] and again.keys() == list(values)
+    with pytest.raises(FileNotFoundError, match="no object open/none"):
+        ObjectTensorFile(store, "open/none")
+    bucket(weed).put_object(Bucket=weed.bucket, Key="open/empty", Body=b"")
+    with pytest.raises(ValueError, match="0 bytes, too short"):
+        ObjectTensorFile(store, "open/empty")
+
+
+def test_a_rounds_deltas_are_opened_side_by_side(weed: SeaweedFS, tmp_path: Path) -> None:
+    """The merge opens its three deltas' objects at once (each opening waits until all three
+    have begun), in order; one that fails is raised by name."""
+    store = model_store(weed, "many/")
+    blobs = ObjectBlobs(store, state_db.connect(tmp_path / "state.db"), threading.RLock())
+    refs = []
+    for i, site in enumerate(SITES):
+        values = {f"w.{j}": torch.full((4, 4), float(i + j)) for j in range(2)}
+        path = tmp_path / f"{site}.safetensors"
+        save_file(values, str(path))
+        key = digest_file(path)
+        bucket(weed).upload_file(str(path), weed.bucket, blobs.blob_name(key, site))
+        refs.append((key, site))
+    together = threading.Barrier(len(refs), timeout=10)
+    read_head = store.read_head
+
+    def gated(name: str, length: int) -> tuple[bytes, int]:
+        together.wait()  # broken (an error) unless the three are opened at once
+        return read_head(name, length)
+
+    store.read_head = gated  # type: ignore[method-assign]
+    opened = blobs.open_many(refs)
+    assert [h.name for h in opened] == [blobs.blob_name(k, s) for k, s in refs]
+    assert [float(h.get_tensor("w.0")[0, 0]) for h in opened] == [0.0, 1.0, 2.0]
+    store.read_head = read_head  # type: ignore[method-assign]
+    missing = (digest_file(tmp_path / f"{SITES[0]}.safetensors"), "nobody")
+    with pytest.raises(FileNotFoundError, match="blobs/nobody/"):
+        blobs.open_many([refs[0], missing])
