@@ -88,7 +88,7 @@ from crossfed.train.inner import (
     run_inner_phase,
 )
 from crossfed.train.model import build_model, flops_per_token, parameters_of
-from crossfed.train.overlap import fold_in
+from crossfed.train.overlap import MergeWaits, fold_in
 from crossfed.train.schedule import LRSchedule
 from crossfed.wire.codecs import save_delta
 from crossfed.wire.tensors import open_tensors
@@ -146,6 +146,7 @@ class SiteRunner:
         #: the coordinator answers it; unset, ``settled()`` hands the outcomes over
         self.on_settled: Callable[[RoundOutcome], None] | None = None
         self.chained = False
+        self._merge_waits = MergeWaits(settings.overlap.max_stale)  # long ones: said once
         self._last_start: RoundStart | None = None
         self._inner_steps = 0
 
@@ -421,6 +422,9 @@ class SiteRunner:
             start = fold.finish(state)
             outcome = self._outcome(round_no, start, state)
             fold.account(outcome)
+            advice = self._merge_waits.advice(outcome.merge_wait_s, outcome.compute_s)
+            if advice and self.ranks.main:  # rank 0 alone waits for the merge
+                log.warning("%s %s", site_prefix(self.s.site, round_no), advice)
             if resumed_at:
                 outcome.extra["resumed_at_window"] = resumed_at
             lost = broadcast_object(beat.lost, self.ranks)

@@ -108,3 +108,38 @@ def fold_in(
             value = base.lerp(now.to(torch.float32), config.alpha)
         out[name] = value.to(now.dtype)
     return out
+
+
+#: merge waits worth a word: at least this many seconds and this share of the phase's
+#: compute, in this many rounds in a row (one long wait is a slow site, not the link)
+LONG_WAIT_S = 1.0
+LONG_WAIT_SHARE = 0.1
+LONG_WAIT_ROUNDS = 2
+
+
+@dataclass
+class MergeWaits:
+    """Whether a site keeps waiting for the merged model at its fold-in: the round trip of
+    the weights (the slowest site's delta up, the merge, the model down) takes longer than
+    the ``max_stale`` share of a phase the site trains ahead. Says so once a job."""
+
+    max_stale: float
+    in_a_row: int = 0
+    said: bool = False
+
+    def advice(self, wait_s: float, compute_s: float) -> str | None:
+        """After a phase that waited ``wait_s`` and computed ``compute_s``: what to tell the
+        user, the first time the waits are long in ``LONG_WAIT_ROUNDS`` rounds in a row."""
+        long = wait_s > 0 and wait_s >= LONG_WAIT_S and wait_s >= LONG_WAIT_SHARE * compute_s
+        self.in_a_row = self.in_a_row + 1 if long else 0
+        if self.said or self.in_a_row < LONG_WAIT_ROUNDS:
+            return None
+        self.said = True
+        share = f"{wait_s / compute_s:.0%} of" if compute_s > 0 else "beside"
+        return (
+            f"waited {wait_s:.1f}s for the merged model ({share} the phase's compute), "
+            f"{self.in_a_row} rounds in a row: the round trip of the weights takes longer than "
+            f"the {self.max_stale:.0%} of a phase trained before the fold-in. Longer phases "
+            "(inner.steps, a site's accumulation) or a later fold-in (overlap.max_stale) hide "
+            "it; see 'Phases long enough for the link' in docs/wan.md"
+        )

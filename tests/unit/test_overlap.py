@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossfed.config import ConfigError, load_run_config
-from crossfed.train.overlap import OverlapConfig, OverlapConfigError, fold_in
+from crossfed.train.overlap import MergeWaits, OverlapConfig, OverlapConfigError, fold_in
 from tests.conftest import write_yaml
 
 values = st.lists(st.floats(-4, 4, allow_nan=False, width=32), min_size=3, max_size=3)
@@ -62,3 +62,20 @@ def test_bad_overlap_settings_name_the_problem(tmp_path) -> None:
     assert load_run_config(None).overlap.enabled is True  # on by default
     with pytest.raises(OverlapConfigError, match=r"overlap.max_stale must be in \(0, 1\]"):
         OverlapConfig.of({"max_stale": 0})
+
+
+def test_long_merge_waits_are_named_once_when_they_persist() -> None:
+    """A wait of a second or more and a tenth of the phase's compute, two rounds in a row,
+    is named once, with the settings that hide it; a single long wait (a slow site), short
+    ones, or long ones broken by a short one are not."""
+    waits = MergeWaits(max_stale=0.25)
+    assert waits.advice(3.0, 20.0) is None  # one long wait
+    assert waits.advice(0.5, 20.0) is None  # a short one resets the count
+    assert waits.advice(1.5, 20.0) is None  # 7.5% of the compute: not long
+    assert waits.advice(2.5, 20.0) is None
+    said = waits.advice(4.0, 20.0)
+    assert said is not None and "waited 4.0s" in said and "20% of the phase's compute" in said
+    assert "25% of a phase" in said and "overlap.max_stale" in said and "inner.steps" in said
+    assert waits.advice(9.0, 20.0) is None  # once a job
+    other = MergeWaits(max_stale=0.5)
+    assert other.advice(2.0, 0.0) is None and "beside the phase" in (other.advice(2.0, 0.0) or "")

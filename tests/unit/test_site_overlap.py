@@ -5,10 +5,12 @@ committed exactly once."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from crossfed.config import RunConfig, load_run_config, load_sites
@@ -17,6 +19,7 @@ from crossfed.report import goodput
 from crossfed.site import SiteRunner
 from crossfed.site.job import site_settings
 from crossfed.site.loop import ChainSettings, run_chain
+from crossfed.train import overlap
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 
 ROUNDS = 3
@@ -139,3 +142,63 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     jobs = [chain.to_dict() for chain in chains.values()]  # type: ignore[attr-defined]
     run_goodput = goodput(jobs)
     assert run_goodput is not None and 0 < run_goodput < 1
+
+
+def test_a_site_that_waits_for_the_merge_round_after_round_is_told_what_hides_it(
+    coordinator: LiveCoordinator,
+    tiny_data: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frontier trains rounds 1 and 2 only once snellius holds its early lease of the next
+    round, so snellius waits at the fold-in of rounds 2 and 3 (a long link's round trip of
+    the weights, as it looks to a site): its job warns once, naming the settings that hide
+    the wait; frontier, which never waits, says nothing. (The waits here are short on a
+    tiny model: the threshold in seconds is lifted, the share of the phase is kept.)"""
+    monkeypatch.setattr(overlap, "LONG_WAIT_S", 0.0)
+    spec = tiny_spec(
+        tiny_data,
+        sites={name: 1 for name in SITES},
+        leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0, probe_share=1.0),
+    )
+    coordinator.client().init_run(spec.to_dict())
+    config = overlap_config(tmp_path, coordinator, tiny_data)
+    sites = load_sites(config)
+    outcomes: dict[str, dict[int, object]] = {"snellius": {}, "frontier": {}}
+    errors: list[BaseException] = []
+    gates = {1: threading.Event(), 2: threading.Event()}  # frontier's rounds 1 and 2
+    held = {"snellius": {}, "frontier": gates}
+
+    def site_loop(name: str) -> None:
+        try:
+            client = coordinator.client(name)
+            runner = HeldBack(site_settings(config, name, sites[name]), client)
+            runner.gates = held[name]
+            run_chain(
+                name, runner, client, ChainSettings(through_round=ROUNDS),
+                on_round=lambda o, s: outcomes[name].__setitem__(o.round, o),
+            )  # fmt: skip
+        except BaseException as exc:
+            errors.append(exc)
+
+    with caplog.at_level(logging.WARNING, logger="crossfed.site"):
+        threads = [threading.Thread(target=site_loop, args=(name,)) for name in held]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 300
+        while not gates[2].is_set() and time.monotonic() < deadline and not errors:
+            for round_no, gate in gates.items():  # snellius is a round ahead: let frontier go
+                if lease_of(coordinator, "snellius", round_no + 1):
+                    gate.set()
+            time.sleep(0.1)
+        for gate in gates.values():
+            gate.set()
+        for thread in threads:
+            thread.join(timeout=600)
+    assert not errors, errors
+    waited = {r: o.merge_wait_s for r, o in outcomes["snellius"].items()}  # type: ignore[attr-defined]
+    assert waited[2] > 0 and waited[3] > 0, waited
+    said = [r.getMessage() for r in caplog.records if "for the merged model" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("[snellius r3]"), said
+    assert "overlap.max_stale" in said[0] and "inner.steps" in said[0]
