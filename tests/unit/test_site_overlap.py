@@ -62,31 +62,31 @@ class HeldBack(SiteRunner):
         return super()._train(round_no, fold, state, beat)
 
 
-def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
-    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
-) -> None:
+Outcomes = dict[str, dict[int, object]]
+
+
+def start_pair(
+    live: LiveCoordinator, data: Path, tmp_path: Path, held: dict[str, dict[int, threading.Event]]
+) -> tuple[Outcomes, dict[str, object], list[BaseException], list[threading.Thread]]:
+    """A run of two sites, snellius and frontier, each a real runner in a chain of its own
+    (a thread), held back by ``held[site]``: their outcomes by round, their chains, the
+    errors they met and the threads, started."""
     spec = tiny_spec(
-        tiny_data,
+        data,
         sites={name: 1 for name in SITES},
         # the phases as asked: these tests pin step counts (the probe has tests of its own)
         leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0, probe_share=1.0),
     )
-    coordinator.client().init_run(spec.to_dict())
-    config = overlap_config(tmp_path, coordinator, tiny_data)
+    live.client().init_run(spec.to_dict())
+    config = overlap_config(tmp_path, live, data)
     sites = load_sites(config)
-    outcomes: dict[str, dict[int, object]] = {"snellius": {}, "frontier": {}}
+    outcomes: Outcomes = {name: {} for name in held}
     chains: dict[str, object] = {}
     errors: list[BaseException] = []
 
-    frontier_leased = threading.Event()  # frontier holds its lease of round 1
-    gate = threading.Event()  # snellius holds an early lease of round 2
-    # round 1 waits for frontier by its lease, not by timing: snellius trains round 1 once
-    # frontier holds its lease, frontier once snellius is a round ahead
-    held = {"snellius": {1: frontier_leased}, "frontier": {1: gate}}
-
     def site_loop(name: str) -> None:
         try:
-            client = coordinator.client(name)
+            client = live.client(name)
             runner = HeldBack(site_settings(config, name, sites[name]), client)
             runner.gates = held[name]
             chains[name] = run_chain(
@@ -99,6 +99,18 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     threads = [threading.Thread(target=site_loop, args=(name,)) for name in held]
     for thread in threads:
         thread.start()
+    return outcomes, chains, errors, threads
+
+
+def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    frontier_leased = threading.Event()  # frontier holds its lease of round 1
+    gate = threading.Event()  # snellius holds an early lease of round 2
+    # round 1 waits for frontier by its lease, not by timing: snellius trains round 1 once
+    # frontier holds its lease, frontier once snellius is a round ahead
+    held = {"snellius": {1: frontier_leased}, "frontier": {1: gate}}
+    outcomes, chains, errors, threads = start_pair(coordinator, tiny_data, tmp_path, held)
     deadline = time.monotonic() + 300
     while not gate.is_set() and time.monotonic() < deadline and not errors:
         if lease_of(coordinator, "frontier", 1):
@@ -157,35 +169,10 @@ def test_a_site_that_waits_for_the_merge_round_after_round_is_told_what_hides_it
     the wait; frontier, which never waits, says nothing. (The waits here are short on a
     tiny model: the threshold in seconds is lifted, the share of the phase is kept.)"""
     monkeypatch.setattr(overlap, "LONG_WAIT_S", 0.0)
-    spec = tiny_spec(
-        tiny_data,
-        sites={name: 1 for name in SITES},
-        leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0, probe_share=1.0),
-    )
-    coordinator.client().init_run(spec.to_dict())
-    config = overlap_config(tmp_path, coordinator, tiny_data)
-    sites = load_sites(config)
-    outcomes: dict[str, dict[int, object]] = {"snellius": {}, "frontier": {}}
-    errors: list[BaseException] = []
     gates = {1: threading.Event(), 2: threading.Event()}  # frontier's rounds 1 and 2
-    held = {"snellius": {}, "frontier": gates}
-
-    def site_loop(name: str) -> None:
-        try:
-            client = coordinator.client(name)
-            runner = HeldBack(site_settings(config, name, sites[name]), client)
-            runner.gates = held[name]
-            run_chain(
-                name, runner, client, ChainSettings(through_round=ROUNDS),
-                on_round=lambda o, s: outcomes[name].__setitem__(o.round, o),
-            )  # fmt: skip
-        except BaseException as exc:
-            errors.append(exc)
-
     with caplog.at_level(logging.WARNING, logger="crossfed.site"):
-        threads = [threading.Thread(target=site_loop, args=(name,)) for name in held]
-        for thread in threads:
-            thread.start()
+        held = {"snellius": {}, "frontier": gates}
+        outcomes, _, errors, threads = start_pair(coordinator, tiny_data, tmp_path, held)
         deadline = time.monotonic() + 300
         while not gates[2].is_set() and time.monotonic() < deadline and not errors:
             for round_no, gate in gates.items():  # snellius is a round ahead: let frontier go
