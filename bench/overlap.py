@@ -78,11 +78,13 @@ def run_local_workflow(
     results = root / "results"
     final = json.loads((results / "metrics" / "final.json").read_text())
     if not (results / "metrics" / "sites.csv").read_text().strip():
-        logs = sorted((results / "logs" / "train").glob("*.log"))
+        logs = sorted((results / "logs" / "train").glob("*.log")) + [
+            results / "logs" / "report.log"
+        ]
         tails = "".join(f"\n--- {p}:\n{tail(p)}" for p in logs)
         raise SystemExit(
             f"the workflow with {what} exited 0 but recorded no site's round (an empty"
-            f" metrics/sites.csv); its site jobs' logs end:{tails}"
+            f" metrics/sites.csv); its site jobs' and report's logs end:{tails}"
         )
     sites = pd.read_csv(results / "metrics" / "sites.csv")
     accepted = sites[sites["status"] == "accepted"]

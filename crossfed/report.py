@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,8 @@ from crossfed.sched.barrier import idle_shares  # noqa: E402
 
 if TYPE_CHECKING:
     from crossfed.config import RunConfig
+
+log = logging.getLogger("crossfed.report")
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -203,6 +206,19 @@ def check_ledger(ledger: pd.DataFrame) -> None:
                 f"ledger column {column}: sites sum to {per_site[column].sum()}, "
                 f"total says {total[column].iloc[0]}"
             )
+
+
+def missing_site_records(sites: pd.DataFrame, ledger: pd.DataFrame, results: Path) -> str | None:
+    """What to say when no site job's round record is in ``results`` although the ledger
+    counts committed blocks (the records deleted, or another run's folder); None otherwise."""
+    committed = int(ledger.loc[ledger["site"] == "total", "blocks_committed"].sum())
+    if not sites.empty or committed == 0:
+        return None
+    return (
+        f"no site round records in {results / 'rounds'}/*/train/ although the ledger counts "
+        f"{committed} committed blocks: metrics/sites.csv and the per-site figures are empty "
+        "(were the records deleted, or is this another run's results folder?)"
+    )
 
 
 def plot_perplexity(rounds: pd.DataFrame, initial: dict[str, Any], path: Path) -> Path:
@@ -483,6 +499,9 @@ def write_report(
         ledger_records = client_for(config, "admin").ledger()
     ledger = pd.DataFrame(ledger_records)[list(TABLE3_COLUMNS)]
     check_ledger(ledger)
+    missing = missing_site_records(sites, ledger, results)
+    if missing:
+        log.warning("%s", missing)
     ledger.to_csv(results / "ledger.csv", index=False)
     rounds.to_csv(metrics / "rounds.csv", index=False)
     sites.to_csv(metrics / "sites.csv", index=False)
