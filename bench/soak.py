@@ -655,9 +655,11 @@ AUDITED = (
 
 
 def http_5xx(log: Path) -> Counter[int]:
-    """5xx answers the coordinator logged (every life of it), by status."""
+    """5xx answers the coordinator logged (every life of it), by status. A status is three
+    digits: a life killed mid-line leaves "status=507" with the next life's first line
+    (its timestamp's digits) right behind it."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    return Counter(int(m) for m in re.findall(r"http_5xx status=(\d+)", text))
+    return Counter(int(m) for m in re.findall(r"http_5xx status=(\d{3})", text))
 
 
 def recovery(
