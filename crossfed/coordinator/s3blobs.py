@@ -158,9 +158,7 @@ class ObjectBlobs:
     def open_many(self, refs: list[tuple[str, str]]) -> list[ObjectTensorFile]:
         """Blobs ``(key, owner)`` opened side by side (a round's deltas: each opening is a
         round trip to the store), in order."""
-        if len(refs) < 2:
-            return [self.open(key, owner) for key, owner in refs]
-        with ThreadPoolExecutor(len(refs), thread_name_prefix="delta-open") as pool:
+        with ThreadPoolExecutor(max(1, len(refs)), thread_name_prefix="delta-open") as pool:
             return list(pool.map(lambda ref: self.open(*ref), refs))
 
     def download(self, key: str, owner: str) -> dict[str, Any]:

@@ -422,9 +422,10 @@ class SiteRunner:
             start = fold.finish(state)
             outcome = self._outcome(round_no, start, state)
             fold.account(outcome)
-            advice = self._merge_waits.advice(outcome.merge_wait_s, outcome.compute_s)
-            if advice and self.ranks.main:  # rank 0 alone waits for the merge
-                log.warning("%s %s", site_prefix(self.s.site, round_no), advice)
+            if self.ranks.main:  # rank 0 alone waits for the merge
+                advice = self._merge_waits.advice(outcome.merge_wait_s, outcome.compute_s)
+                if advice:
+                    log.warning("%s %s", site_prefix(self.s.site, round_no), advice)
             if resumed_at:
                 outcome.extra["resumed_at_window"] = resumed_at
             lost = broadcast_object(beat.lost, self.ranks)
