@@ -395,6 +395,20 @@ class LedgerReplay:
         lease.consumed = consumed
         lease.expires_at = now + lease.ttl_s
 
+    def _on_adopt(self, seq: int, args: dict[str, Any]) -> None:
+        """A restarted site takes over its live lease: its progress starts again from 0."""
+        lease = self._owned(int(args["lease_id"]), args["site"])
+        now = float(args["now"])
+        self._live(lease, now)
+        if int(args["consumed"]) != lease.consumed:
+            raise Refused(
+                f"adopted at consumed {args['consumed']}, the lease is at {lease.consumed}"
+            )
+        if args.get("ttl_s") is not None:
+            lease.ttl_s = float(args["ttl_s"])
+        lease.consumed = 0
+        lease.expires_at = now + lease.ttl_s
+
     def _on_commit(self, seq: int, args: dict[str, Any]) -> None:
         lease = self._owned(int(args["lease_id"]), args["site"])
         consumed = int(args["consumed"])

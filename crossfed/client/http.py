@@ -287,6 +287,13 @@ class CoordinatorClient:
             body |= {"echo": echo, "echo_held_s": echo_held_s}
         return self.post(f"/v1/leases/{lease_id}/heartbeat", body, round_trip=True)
 
+    def adopt(
+        self, lease_id: int, site: str, consumed: int, rtt_ms: float | None = None
+    ) -> dict[str, Any]:
+        """Take over ``site``'s live lease ``lease_id`` (a dead job's) at progress ``consumed``."""
+        body = {"site": site, "consumed": consumed, "t_step_s": None, "rtt_ms": rtt_ms}
+        return self.post(f"/v1/leases/{lease_id}/adopt", body, round_trip=True)
+
     def release(self, lease_id: int, site: str) -> dict[str, Any]:
         return self.post(f"/v1/leases/{lease_id}/release", {"site": site}, round_trip=True)
 

@@ -176,6 +176,14 @@ class HeartbeatBody(BaseModel):
     echo_held_s: float | None = Field(default=None, ge=0, le=86_400)  # how long it was held
 
 
+class AdoptBody(BaseModel):
+    site: str = Field(min_length=1, max_length=64)
+    #: the lease's progress as the adopting job saw it (a status's ``active_leases``)
+    consumed: int = Field(ge=0, le=MAX_INT)
+    t_step_s: float | None = Field(default=None, ge=0, le=86_400)
+    rtt_ms: float | None = Field(default=None, ge=0, le=600_000)
+
+
 class SiteBody(BaseModel):
     site: str = Field(min_length=1, max_length=64)
 
@@ -706,6 +714,15 @@ def _add_lease_routes(app: FastAPI, api: _Api) -> None:
     app.router.routes.insert(
         0, Route("/v1/leases/{lease_id:int}/heartbeat", heartbeat_fast, methods=["POST"])
     )
+
+    @app.post("/v1/leases/{lease_id}/adopt")
+    async def adopt(lease_id: LEASE_ID, body: AdoptBody, who: Caller) -> dict[str, Any]:
+        """A restarted job takes over the live lease its dead predecessor held, at the
+        progress it saw (``consumed``), to train it from its first block: a grant's reply."""
+        as_site(who, body.site)
+        return await run(
+            coordinator.adopt, lease_id, body.site, body.consumed, body.t_step_s, body.rtt_ms
+        )
 
     @app.post("/v1/leases/{lease_id}/release")
     async def release(lease_id: LEASE_ID, body: SiteBody, who: Caller) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import secrets
 from typing import Any
 
 from crossfed.coordinator import store
-from crossfed.coordinator.core import CoordinatorError, lease_errors
+from crossfed.coordinator.core import CoordinatorError, lease_errors, log
 from crossfed.coordinator.rounds import next_global_step
 from crossfed.coordinator.views import Views
 from crossfed.darl.leases import lease_ttl
@@ -124,14 +124,51 @@ class Leasing(Views):
                         self._phase_blocks[lease.lease_id] = n_blocks
                     if lease is not None and not early:
                         store.mark_first_lease(self.conn, round_no, now)
-            step = current["global_step"]
-            if early:
-                deltas = store.round_deltas(self.conn, current["round_no"])
-                step = next_global_step(step, [d["steps"] for d in deltas], spec.inner_steps)
-            reply = {"generation": current["generation"], "early": early, "global_step": step}
+            reply = self._grant_reply(current, early)
             if lease is None:
                 return {"lease": None, "reason": "pool_empty", **reply}
             return {"lease": self._lease_view(lease), **reply}
+
+    def adopt(
+        self, lease_id: int, site: str, consumed: int, t_step_s: float | None,
+        rtt_ms: float | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """A restarted job of ``site`` takes over the live lease ``lease_id`` its dead
+        predecessor held (``consumed``: the progress it saw in the status), to train it from
+        its first block, instead of waiting for the lease's TTL and leasing anew. The reply
+        is a grant's (``LeaseBook.adopt``)."""
+        with self.lock:
+            self._check_site(site)
+            assert self.book is not None
+            current = self.current_round()
+            with lease_errors(404):
+                held = self.book.lease(lease_id)
+            if held.round_no < current["round_no"]:
+                raise CoordinatorError(
+                    409, "round_closed",
+                    f"lease {lease_id} is of round {held.round_no}; the current round is "
+                    f"{current['round_no']}",
+                )  # fmt: skip
+            now = self.clock()
+            ttl = self._ttl(site, t_step_s, rtt_ms)
+            with lease_errors(409), self._mutation():
+                args = {"lease_id": lease_id, "site": site, "consumed": consumed}
+                lease = self._event("adopt", {**args, "now": now, "ttl_s": ttl})
+                store.site_seen(self.conn, site, now, t_step_s=t_step_s, rtt_ms=rtt_ms)
+            log.info("%s took over its lease %d of round %d (%d blocks) after a restart",
+                     site, lease_id, lease.round_no, lease.end - lease.start)  # fmt: skip
+            reply = self._grant_reply(current, lease.round_no == current["round_no"] + 1)
+            return {"lease": self._lease_view(lease), **reply}
+
+    def _grant_reply(self, current: dict[str, Any], early: bool) -> dict[str, Any]:
+        """What a grant's reply carries beside the lease: the generation, whether it is an
+        early lease, and the global step its round starts at (forecast for an early one)."""
+        step = current["global_step"]
+        if early:
+            deltas = store.round_deltas(self.conn, current["round_no"])
+            inner_steps = self._require_run().inner_steps
+            step = next_global_step(step, [d["steps"] for d in deltas], inner_steps)
+        return {"generation": current["generation"], "early": early, "global_step": step}
 
     def heartbeat(
         self,

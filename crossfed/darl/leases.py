@@ -10,7 +10,8 @@ Two leases per site (overlapped rounds): a site holds at most `MAX_LEASES_PER_SI
 leases, at most one per round, and takes its second only for a later round than the one it
 holds (the lease of round r uploading and committing while round r+1's trains). A grant or a
 steal for round r is refused (`already_holding`) while the site holds a lease of round r or
-later, or holds two. A steal never takes from the thief's own other lease.
+later, or holds two. A steal never takes from the thief's own other lease. A restarted job
+takes over the live lease its dead predecessor held (`adopt`) rather than waiting for its TTL.
 
 Per-site accounting (paper Table 3): steals move the stolen tail from the victim's
 `blocks_granted` to the thief's, so for every site
@@ -541,6 +542,29 @@ class LeaseBook:
                 f"{later[0].round_no}; a second lease must be for a later round than "
                 f"{later[0].round_no}, not {round_no}",
             )
+
+    def adopt(
+        self, lease_id: int, site: str, consumed: int, now: float, ttl_s: float | None = None
+    ) -> Lease:
+        """A restarted job of ``site`` takes over its live lease ``lease_id``: nothing of it
+        is trained any more (what the dead job trained died with it), so ``consumed`` goes
+        back to 0 and the TTL starts anew. ``consumed`` is the progress the adopting job saw:
+        an adoption asked against other progress (a late replay, after the new job's first
+        heartbeat) is refused (``bad_progress``) and changes nothing."""
+        lease = self._live(lease_id, site, now)
+        consumed = _count("consumed", consumed)
+        if consumed != lease.consumed:
+            raise LeaseError(
+                "bad_progress",
+                f"lease {lease_id}: adopted at consumed {consumed}, but it is at {lease.consumed}",
+            )
+        if ttl_s is not None:
+            lease.ttl_s = _finite("ttl_s", ttl_s, positive=True)
+        lease.consumed = 0
+        lease.expires_at = now + lease.ttl_s
+        self._push_expiry(lease)
+        self._seen[site] = now
+        return dataclasses.replace(lease)
 
     def _get(self, lease_id: int) -> Lease:
         ok = isinstance(lease_id, int | np.integer) and not isinstance(lease_id, bool)

@@ -64,6 +64,7 @@ OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "register": (("site", "now"), ()),
     "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ("requested", "ranks")),
     "heartbeat": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
+    "adopt": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
     "steal": (("site", "now", "ttl_s", "round_no"), ("ranks",)),
     "commit": (("lease_id", "site", "consumed", "now"), ()),
     "release": (("lease_id", "site", "now"), ()),
@@ -111,6 +112,8 @@ def apply_event(book: LeaseBook, op: str, args: Mapping[str, object]) -> object:
         )  # fmt: skip
     if op == "heartbeat":
         return book.heartbeat(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))
+    if op == "adopt":
+        return book.adopt(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))
     if op == "steal":
         return book.steal(a["site"], a["now"], a["ttl_s"], a["round_no"], a.get("ranks"))
     if op == "commit":

@@ -538,3 +538,57 @@ def test_site_killed_before_its_checkpoint_loses_only_its_lease(
     got = next(e for e in journal(work, "frontier") if e["ev"] == "lease")
     assert got["blocks"] == lost["blocks"]
     assert sorted(r[1] for r in audit(darl)) == sorted(lost["blocks"])
+
+
+# ------------------------------------------------------------------ a restarted job's lease
+def test_a_restarted_job_takes_over_the_live_lease_its_predecessor_held(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """The job that held lumi's lease died after training two blocks of it; a new job of
+    lumi is refused a second lease of the round but takes the live one over at the
+    progress its site's status shows, trains it from the start and commits it: nothing
+    lost, no TTL waited. A replay of the adoption, another site, a made-up lease and an
+    early lease of the next round are answered as such."""
+    join(darl, "lumi", tiny_data)
+    join(darl, "snellius", tiny_data)
+    held = lease(darl, "lumi", 4)
+    # snellius's lease of round 1, renewed below, keeps the round open after lumi's commit
+    # however long the steps take (its registration alone would for join_window_s only)
+    other = lease(darl, "snellius", 4)
+    darl.client("lumi").heartbeat(held["lease_id"], "lumi", 2, 4.0)  # then the job dies
+    with pytest.raises(Refused) as refused:  # the restarted job asks for the round again
+        lease(darl, "lumi", 4)
+    assert refused.value.code == "already_holding"
+    (seen,) = [x for x in darl.client("lumi").status()["active_leases"] if x["site"] == "lumi"]
+    assert seen["consumed"] == 2
+    reply = darl.client("lumi").adopt(held["lease_id"], "lumi", seen["consumed"])
+    taken = reply["lease"]
+    assert (taken["lease_id"], taken["blocks"], taken["consumed"]) == (
+        held["lease_id"], held["blocks"], 0,
+    )  # fmt: skip
+    assert reply["early"] is False and reply["generation"] == 0
+    after = state(darl)
+    for who, lease_id, consumed, code in [
+        ("lumi", held["lease_id"], 2, "bad_progress"),  # the same adoption, replayed late
+        ("snellius", held["lease_id"], 0, "not_owner"),
+        ("lumi", 999, 0, "unknown_lease"),
+    ]:
+        with pytest.raises(Refused) as refused:
+            darl.client(who).adopt(lease_id, who, consumed)
+        assert refused.value.code == code
+        assert state(darl) == after
+    darl.client("lumi").heartbeat(held["lease_id"], "lumi", 1, 4.0)  # progress from 0 again
+    g0 = global_model(darl, 0, tmp_path)
+    commit(darl, "lumi", taken, delta_file(tmp_path, g0, seed=1))
+    row = ledger(darl)["lumi"]
+    assert (row["grants"], row["blocks_committed"], row["blocks_lost"], row["ttl_expiries"]) == (
+        1, held["n_blocks"], 0, 0,
+    )  # fmt: skip
+    assert len(audit(darl)) == held["n_blocks"]
+    # an early lease of round 2 (round 1 still open: snellius holds a lease of it) is
+    # taken over as an early lease, with the forecast of its round's first global step
+    darl.client("snellius").heartbeat(other["lease_id"], "snellius", 0, 4.0)
+    assert darl.client().status()["round"] == 1
+    ahead = early(darl, "lumi", 2)
+    reply = darl.client("lumi").adopt(ahead["lease"]["lease_id"], "lumi", 0)
+    assert reply["early"] is True and reply["global_step"] == ahead["global_step"]

@@ -183,6 +183,36 @@ def test_heartbeat_extends_ttl_and_tracks_progress():
     assert [x.lease_id for x in book.expire(39.0)] == [lease.lease_id]
 
 
+def test_a_restarted_job_adopts_its_live_lease_at_the_progress_it_saw():
+    book = book_with("a", "b")
+    lease = book.grant("a", 5, 0.0, TTL, 0)
+    book.heartbeat(lease.lease_id, "a", 3, 2.0)  # the dead job's progress
+    got = book.adopt(lease.lease_id, "a", 3, 4.0, ttl_s=20.0)
+    assert (got.consumed, got.expires_at, got.ttl_s) == (0, 24.0, 20.0)
+    assert (got.start, got.end) == (lease.start, lease.end)
+    before = book.snapshot()
+    for site, seen, code in [("a", 3, "bad_progress"), ("b", 0, "not_owner")]:
+        with pytest.raises(LeaseError) as e:  # a late replay of the adoption; another site
+            book.adopt(lease.lease_id, site, seen, 5.0)
+        assert code_of(e) == code
+    assert book.snapshot() == before
+    book.heartbeat(lease.lease_id, "a", 1, 6.0)  # the new job's progress counts from 0
+    assert book.commit(lease.lease_id, "a", 5, 7.0).committed == 5
+    stats = book.site_stats()["a"]
+    assert (stats.grants, stats.blocks_granted, stats.blocks_lost) == (1, 5, 0)
+    with pytest.raises(LeaseError) as e:  # committed: nothing left to adopt
+        book.adopt(lease.lease_id, "a", 5, 8.0)
+    assert code_of(e) == "committed"
+
+
+def test_an_expired_lease_cannot_be_adopted():
+    book = book_with("a")
+    lease = book.grant("a", 5, 0.0, TTL, 0)
+    with pytest.raises(LeaseError) as e:
+        book.adopt(lease.lease_id, "a", 0, TTL)
+    assert code_of(e) == "expired"
+
+
 @pytest.mark.parametrize("consumed", [1, 6, -1])
 def test_heartbeat_bad_progress(consumed):
     book = book_with("a")

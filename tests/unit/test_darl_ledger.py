@@ -457,6 +457,26 @@ class LeaseModel(RuleBasedStateMachine):
             lease["expires_at"],
         )
 
+    @rule(data=st.data(), stale=st.booleans())
+    @precondition(lambda self: self.leases)
+    def adopt(self, data, stale):
+        """A restarted job takes over a lease its site holds, at the progress it saw; one
+        seen at other progress (``stale``: a late replay) is refused and changes nothing."""
+        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        lease = self.leases[lease_id]
+        seen = lease["consumed"] + 1 if stale else lease["consumed"]
+        args = dict(lease_id=lease_id, site=lease["site"], consumed=seen, now=self.now)
+        if self.now >= lease["expires_at"]:
+            return self.refused("expired", "adopt", **args)
+        if stale:
+            return self.refused("bad_progress", "adopt", **args)
+        got = self.do("adopt", **args)
+        self.crashed.discard(lease["site"])  # the job that adopts it is alive
+        lease["consumed"], lease["expires_at"] = 0, self.now + lease["ttl"]
+        assert (got.start, got.end, got.consumed, got.expires_at) == (
+            lease["start"], lease["end"], 0, lease["expires_at"],
+        )  # fmt: skip
+
     @rule(data=st.data())
     @precondition(lambda self: self.live_sites())
     def crash(self, data):
