@@ -47,7 +47,8 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{site}", daemon=True)
 
     def __enter__(self) -> Heartbeat:
-        self._thread.start()
+        if not self._thread.is_alive() and not self._stop.is_set():  # once: a beat started
+            self._thread.start()  # for an early lease is entered again by its phase
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -78,6 +79,61 @@ class Heartbeat:
                     self.allowed_blocks - shrunk,
                 )
             self.allowed_blocks = shrunk
+
+
+class EarlyAsk:
+    """The next round's early lease, asked in the background while a phase's last step
+    trains, so that an overlapped site does not wait a round trip for it once the phase
+    ends. A granted lease's heartbeat starts at once: the phase that trains it begins only
+    after this phase's checkpoint, which may outlast the lease's TTL."""
+
+    def __init__(
+        self, control: Control, round_no: int, want: int, rtt: float, accumulation: int
+    ) -> None:
+        """``want`` blocks, a phase at ``accumulation`` (the phase that trains the lease
+        keeps that A, whatever a newer plan says)."""
+        self.control, self.round_no, self.want = control, round_no, want
+        self.accumulation = accumulation
+        self.granted: tuple[dict, int] | None = None
+        self.beat: Heartbeat | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(want, rtt), name=f"early-{control.site}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, want: int, rtt: float) -> None:
+        try:
+            self.granted = self.control.early_lease(self.round_no, want, rtt)
+            if self.granted is not None:
+                self.beat = self.control.heartbeat(self.granted[0]).__enter__()
+        except BaseException as exc:  # raised by take() in the training thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def take(self) -> tuple[dict, int, Heartbeat] | None:
+        """The granted lease, its global step and its running heartbeat (None: no lease)."""
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        if self.granted is None or self.beat is None:
+            return None
+        return self.granted[0], self.granted[1], self.beat
+
+    def drop(self) -> None:
+        """Not used after all (the phase ended otherwise, the job ends): its blocks go back
+        to the pool now rather than at its TTL's end."""
+        self._done.wait()
+        if self.beat is not None:
+            self.beat.__exit__(None, None, None)
+        if self.granted is not None:
+            try:
+                self.control.release(self.granted[0]["lease_id"])
+            except Exception as exc:  # the TTL returns them instead
+                log.warning("%s releasing an unused early lease: %s",
+                            site_prefix(self.control.site), exc)  # fmt: skip
 
 
 class FollowerBeat:
@@ -128,17 +184,47 @@ class Control:
                 old.unlink(missing_ok=True)
         return path
 
+    def take_over(self, round_no: int, rtt: float) -> dict | None:
+        """The grant's reply for the live lease of ``round_no`` that a dead job of this site
+        still holds, taken over to train it from its first block (``adopt``); None when
+        there is none or the coordinator refuses (the lease expired meanwhile, or another
+        job of this site took it first)."""
+        here = site_prefix(self.site, round_no)
+        mine = [
+            lease
+            for lease in self.client.status()["active_leases"]
+            if lease["site"] == self.site and lease["round"] == round_no
+        ]
+        if not mine:
+            return None
+        lease = mine[0]
+        try:
+            reply = self.client.adopt(lease["lease_id"], self.site, lease["consumed"], rtt)
+        except Refused as exc:
+            if exc.status >= 500 or exc.status in (401, 403):
+                raise
+            log.info("%s could not take over lease %d: %s", here, lease["lease_id"], exc.code)
+            return None
+        log.info(
+            "%s took over lease %d (%d blocks), held by a previous job",
+            here, lease["lease_id"], reply["lease"]["n_blocks"],
+        )  # fmt: skip
+        return reply
+
     def early_lease(self, round_no: int, want: int, rtt: float) -> tuple[dict, int] | None:
         """A lease of the round after the open one (overlapped rounds), asked once, and the
         global step the coordinator forecasts that round to start at; None when it has no
-        lease to give now."""
+        lease to give now. A live one a previous job of this site held is taken over."""
         try:
             reply = self.client.lease(self.site, round_no, want, None, rtt)
         except Refused as exc:
             if exc.status >= 500 or exc.status in (401, 403):
                 raise
-            log.info("%s no early lease: %s", site_prefix(self.site, round_no), exc.code)
-            return None
+            taken = self.take_over(round_no, rtt) if exc.code == "already_holding" else None
+            if taken is None:
+                log.info("%s no early lease: %s", site_prefix(self.site, round_no), exc.code)
+                return None
+            reply = taken
         if reply["lease"] is None:
             return None
         return reply["lease"], int(reply["global_step"])
@@ -147,8 +233,9 @@ class Control:
         """A lease of up to ``want`` blocks; None when no data turned up in time.
 
         Raises RoundClosed when the round closed first. A restarted job whose previous
-        incarnation still holds a lease it cannot continue waits for that lease's TTL to
-        return it to the pool (the crash costs exactly that lease), then leases anew.
+        incarnation still holds a live lease of this round takes it over (``take_over``) and
+        trains it from its first block; one it cannot take over (of another round) it waits
+        for, until its TTL returns it to the pool, then leases anew.
         """
         backoff = Backoff(0.5, 5.0, budget_s=self.s.lease_wait_s)
         while True:
@@ -159,11 +246,12 @@ class Control:
                     raise RoundClosed(exc.code) from exc
                 if exc.code != "already_holding":
                     raise
-                reply = {"lease": None}
-                log.info(
-                    "%s a previous job still holds a lease; waiting for its TTL",
-                    site_prefix(self.site, round_no),
-                )
+                reply = self.take_over(round_no, rtt) or {"lease": None}
+                if reply["lease"] is None:
+                    log.info(
+                        "%s a previous job still holds a lease; waiting for its TTL",
+                        site_prefix(self.site, round_no),
+                    )
             if reply["lease"] is not None:
                 return reply["lease"]
             if not backoff.wait():

@@ -260,6 +260,7 @@ def run_chain(
     backoff = Backoff(settings.poll_s, max(settings.poll_s, settings.max_poll_s), sleep=sleep)
     if hasattr(runner, "chained"):
         runner.chained = True  # this loop trains the next round while a delta is sent
+        runner.through_round = settings.through_round  # no early lease past it
     overlap = bool(getattr(runner, "overlapped", False))
     sending: dict[int, float] = {}  # rounds whose send runs in the background: their seconds
 

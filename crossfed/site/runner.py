@@ -54,7 +54,7 @@ from crossfed.darl.leases import lease_blocks
 from crossfed.data.windows import WindowStore
 from crossfed.fileio import write_atomic
 from crossfed.progress import CONSOLE, site_prefix, step_line
-from crossfed.site.control import Control, FollowerBeat, Heartbeat, RoundClosed
+from crossfed.site.control import Control, EarlyAsk, FollowerBeat, Heartbeat, RoundClosed
 from crossfed.site.inflight import InFlight
 from crossfed.site.lock import hold_site_folder
 from crossfed.site.records import (
@@ -147,8 +147,18 @@ class SiteRunner:
         self.on_settled: Callable[[RoundOutcome], None] | None = None
         self.chained = False
         self._merge_waits = MergeWaits(settings.overlap.max_stale)  # long ones: said once
+        #: the last round the driving loop trains (None: the run's last)
+        self.through_round: int | None = None
         self._last_start: RoundStart | None = None
         self._inner_steps = 0
+        #: the next round's early lease asked during a phase's last step, and the heartbeat
+        #: of one granted, kept running for the phase that trains it (rank 0)
+        self._ask: EarlyAsk | None = None
+        self._early_beat: Heartbeat | None = None
+        #: phases that trained a lease asked during the phase before (no wait for it)
+        self.early_asks_taken = 0
+        #: the accumulation the latest plan gives (None: the settings'), rank 0
+        self._plan_a: int | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -172,10 +182,14 @@ class SiteRunner:
         """Train one round; every rank calls this, rank 0's outcome is the one to report.
 
         ``accumulation`` (rank 0's, from the round's plan) replaces the settings' A for this
-        round and the ones after it; a phase resumed from its checkpoint keeps the A it began with.
+        round and the ones after it; a phase resumed from its checkpoint keeps the A it began
+        with, and one on an early lease asked before the plan came the A it was asked at (the
+        plan's A then from the next round on).
         """
-        if accumulation and self.ranks.main:
-            self._use_accumulation(int(accumulation))
+        if self.ranks.main:
+            self._plan_a = int(accumulation) if accumulation else self._plan_a
+            if self._plan_a:
+                self._use_accumulation(self._plan_a)
         start = self._prepare_round(round_no) if self.ranks.main else None
         start = broadcast_object(start, self.ranks)
         if isinstance(start, RoundOutcome):
@@ -192,7 +206,11 @@ class SiteRunner:
         return out
 
     def finish(self) -> list[RoundOutcome]:
-        """The job ends: wait for the send in flight (not for its merge); every outcome left."""
+        """The job ends: wait for the send in flight (not for its merge); every outcome left.
+        An early lease asked for a phase that will not run goes back to the pool."""
+        if self._ask is not None:
+            self._ask.drop()
+            self._ask = None
         if self._inflight is not None:
             self._inflight.stop()
             self._inflight.wait_sent()
@@ -219,31 +237,55 @@ class SiteRunner:
         """Rank 0: an early lease while the previous round is in flight, else the round's
         ordinary start (once the previous round's merged model is here)."""
         inflight = self._inflight
+        ask, self._ask = self._ask, None
         if inflight is not None and not inflight.arrived.is_set():
-            early = self._prepare_early(round_no, inflight)
+            early = self._prepare_early(round_no, inflight, ask)
             if early is not None:
                 return early
+        elif ask is not None:  # the merged model is here: the round starts ordinarily
+            ask.drop()
         self._settle_inflight()
         return self._prepare(round_no)
 
-    def _prepare_early(self, round_no: int, inflight: InFlight) -> RoundStart | None:
+    def _prepare_early(
+        self, round_no: int, inflight: InFlight, ask: EarlyAsk | None
+    ) -> RoundStart | None:
         """Rank 0: lease the next round while the previous one is merged (None: no lease
         now, so the phase waits for the merge). The phase trains from the site's own weights,
         from the global step the coordinator forecasts; its generation, reference model and
-        exact global step are known once the merge arrives."""
+        exact global step are known once the merge arrives. ``ask``: the lease asked during
+        the last phase's last step, taken if it was granted (else asked now)."""
         prev = self._last_start
         assert self.control is not None
-        if prev is None or round_no != inflight.round + 1 or self._sent is None:
+        usable = prev is not None and round_no == inflight.round + 1 and self._sent is not None
+        taken = None
+        if ask is not None:
+            if usable and ask.round_no == round_no:
+                taken = ask.take()
+            else:
+                ask.drop()
+        if not usable:
             return None
-        inner = self.s.inner
-        want = lease_blocks(
-            self._inner_steps, inner.micro_batch, inner.ranks, inner.accumulation,
-            self.s.block_size,
-        )  # fmt: skip
-        granted = self.control.early_lease(round_no, want, prev.rtt_ms)
-        if granted is None:
-            return None
-        lease, global_step = granted
+        assert prev is not None
+        accumulation = self.s.inner.accumulation
+        if taken is not None:
+            lease, global_step, self._early_beat = taken
+            self.early_asks_taken += 1
+            if ask is not None and ask.accumulation != accumulation:
+                # the lease holds a phase at the A it was asked at: trained at that A, not
+                # given back (the plan's A from the next round on)
+                log.info(
+                    "%s trains its early lease at A=%d, the A it was asked at; the plan's "
+                    "A=%d from the next round", site_prefix(self.s.site, round_no),
+                    ask.accumulation, accumulation,
+                )  # fmt: skip
+                accumulation = ask.accumulation
+        else:
+            granted = self.control.early_lease(round_no, self._lease_want(), prev.rtt_ms)
+            if granted is None:
+                return None
+            lease, global_step = granted
+        want = self._lease_want(accumulation=accumulation)
         log.info(
             "%s early lease %d: %d blocks (asked %d) while round %d is merged",
             site_prefix(self.s.site, round_no), lease["lease_id"], lease["n_blocks"], want,
@@ -251,8 +293,37 @@ class SiteRunner:
         )  # fmt: skip
         return replace(
             prev, generation=-1, global_step=global_step, lease=lease,
-            model_path="", cursor=None, download_s=0.0, accumulation=inner.accumulation,
+            model_path="", cursor=None, download_s=0.0, accumulation=accumulation,
             early=True,
+        )  # fmt: skip
+
+    def _lease_want(self, inner_steps: int | None = None, accumulation: int | None = None) -> int:
+        """The blocks of one phase of ``inner_steps`` (default: the run's H) at this shape,
+        or at ``accumulation``."""
+        inner = self.s.inner
+        return lease_blocks(
+            inner_steps or self._inner_steps, inner.micro_batch, inner.ranks,
+            accumulation or inner.accumulation, self.s.block_size,
+        )  # fmt: skip
+
+    def _ask_early(self, round_no: int, start: RoundStart, windows_left: int) -> None:
+        """Rank 0, after each step: once the next step is the phase's last, ask the next
+        round's early lease in the background (overlapped rounds; not after the run's last
+        round, nor in a job about to stop for its walltime)."""
+        last = min((r for r in (self.s.rounds, self.through_round) if r), default=None)
+        if (
+            self._ask is not None
+            or self.control is None
+            or not self.overlapped
+            or windows_left > self.s.inner.windows_per_step
+            or (last is not None and round_no >= last)
+            or out_of_time(self.s.stop_training_at, 60.0)
+        ):
+            return
+        accumulation = self._plan_a or self.s.inner.accumulation  # the plan's, not the phase's
+        self._ask = EarlyAsk(
+            self.control, round_no + 1, self._lease_want(accumulation=accumulation),
+            start.rtt_ms, accumulation,
         )  # fmt: skip
 
     def _use_accumulation(self, accumulation: int) -> None:
@@ -278,11 +349,7 @@ class SiteRunner:
         cursor, lease = self._resumable(round_no, generation, joined)
         if cursor is not None and cursor.accumulation:
             self._use_accumulation(cursor.accumulation)  # the phase's own A
-        inner = self.s.inner
-        want = lease_blocks(
-            joined["inner_steps"], inner.micro_batch, inner.ranks, inner.accumulation,
-            self.s.block_size,
-        )  # fmt: skip
+        want = self._lease_want(int(joined["inner_steps"]))
         if lease is None:
             try:
                 lease = control.lease(round_no, want, rtt)
@@ -410,9 +477,14 @@ class SiteRunner:
         self.adopt_moments(merged_moments)  # after the optimiser state is restored
         state = start.cursor.phase if start.cursor else PhaseState()
         resumed_at = state.windows
-        beat: Beat = (
-            self.control.heartbeat(start.lease) if self.control else FollowerBeat(start.lease)
-        )
+        beat: Beat
+        early_beat, self._early_beat = self._early_beat, None
+        if self.control is None:
+            beat = FollowerBeat(start.lease)
+        elif early_beat is not None and early_beat.lease_id == start.lease["lease_id"]:
+            beat = early_beat  # asked during the last phase: beating since its grant
+        else:
+            beat = self.control.heartbeat(start.lease)
         beat.consumed = max(beat.consumed, start.lease.get("consumed", 0))
         fold = _Fold(self, start)
         handed_over = False  # the heartbeat runs until the delta is in: a commit needs a live
@@ -607,6 +679,8 @@ class SiteRunner:
             timed[0], timed[1] = timed[0] + 1, timed[1] + info.step_s
             beat.t_step_s = timed[1] / timed[0]  # the mean: grants are sized by it
             progress.step(info, beat)
+            if self.ranks.main:
+                self._ask_early(round_no, fold.start, len(windows) - info.windows_done)
 
         state = run_inner_phase(
             trainer, self.store.windows, windows, schedule=fold.schedule,

@@ -11,8 +11,9 @@ The crashing site is snellius, a subprocess. frontier is a real SiteRunner in th
 that leases each round at once but trains it only when the test lets it (``HeldBack``): its
 live lease keeps the round open, so snellius is a round ahead when it dies, and round k
 waits for snellius's restarted job to lease it. After the restart the run completes; the
-site loses at most the one lease it had in flight (its TTL returns it to the pool), the
-resent delta of (a) is accepted once, and no block is committed twice.
+restarted job, back within the leases' TTL, takes over the early lease its predecessor held
+(trained or not) instead of letting it expire, so the crash loses no block; the resent
+delta of (a) is accepted once, and no block is committed twice.
 """
 
 from __future__ import annotations
@@ -268,19 +269,24 @@ def early_lease(crash: Crash) -> bool:
     return any(x["round"] == 2 for x in crash.leases(SITE))
 
 
-def check_lost_at_most(crash: Crash, lease: dict) -> None:
-    """The killed job cost at most ``lease``, the early lease it was training."""
+def check_taken_over(crash: Crash, lease: dict) -> None:
+    """The restarted job took over ``lease``, the early lease the killed job was training,
+    within its TTL, and trained it from its first block: nothing lost, nothing expired, and
+    that lease carried one delta, the restarted job's."""
     row = {r["site"]: r for r in crash.admin.ledger()}[SITE]
-    assert row["blocks_lost"] <= lease["n_blocks"]
-    assert row["ttl_expiries"] <= 1
+    assert (row["blocks_lost"], row["ttl_expiries"]) == (0, 0)
     deltas = crash.check_exactly_once()
-    assert lease["lease_id"] not in [d["lease_id"] for d in deltas]  # never committed
+    (carried,) = [d for d in deltas if d["lease_id"] == lease["lease_id"]]
+    assert carried["round_no"] == lease["round"] and carried["site"] == SITE
+    assert crash.round_record(lease["round"])["lease_id"] == lease["lease_id"]
+    said = (crash.tmp / "second.log").read_text(errors="replace")
+    assert f"took over lease {lease['lease_id']}" in said
 
 
 @pytest.mark.parametrize(
     "crash", [(f"site_mid_fold@{SITE}:2", 20.0)], indirect=True, ids=["mid_fold"]
 )
-def test_killed_mid_fold_in_loses_at_most_the_early_lease(crash: Crash) -> None:
+def test_killed_mid_fold_in_the_restarted_job_takes_the_early_lease_over(crash: Crash) -> None:
     # frontier trains round 1 once snellius trains round 2 early; round 1 closes, and
     # snellius dies folding its merged model in
     held = crash.first_job_dies(lambda: early_lease(crash))
@@ -288,17 +294,17 @@ def test_killed_mid_fold_in_loses_at_most_the_early_lease(crash: Crash) -> None:
     (early,) = [x for x in held if x["round"] == 2]
     assert crash.round_record(2) == {}  # the phase never ended
     crash.restart(range(2, ROUNDS + 1))
-    check_lost_at_most(crash, early)
+    check_taken_over(crash, early)
 
 
 @pytest.mark.parametrize(
     "crash", [(f"site_after_step@{SITE}:2", 20.0)], indirect=True, ids=["after_step"]
 )
-def test_killed_mid_phase_of_an_early_lease_loses_at_most_that_lease(crash: Crash) -> None:
+def test_killed_mid_phase_of_an_early_lease_the_restarted_job_takes_it_over(crash: Crash) -> None:
     # frontier trains round 1 only after snellius died: round 1 open, its merge not begun
     held = crash.first_job_dies(lambda: False)
     assert crash.admin.status()["round"] == 1
     (early,) = [x for x in held if x["round"] == 2]
     assert early["consumed"] == 0  # one step in: no block of it trained to the end
     crash.restart(range(2, ROUNDS + 1))
-    check_lost_at_most(crash, early)
+    check_taken_over(crash, early)

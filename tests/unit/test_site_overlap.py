@@ -5,9 +5,13 @@ committed exactly once."""
 
 from __future__ import annotations
 
+import json
 import logging
+import sqlite3
 import threading
 import time
+from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from crossfed.config import RunConfig, load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.report import goodput
 from crossfed.site import SiteRunner
+from crossfed.site.control import EarlyAsk
 from crossfed.site.job import site_settings
 from crossfed.site.loop import ChainSettings, run_chain
 from crossfed.train import overlap
@@ -48,6 +53,14 @@ def lease_of(live: LiveCoordinator, site: str, round_no: int) -> bool:
     return any(x["site"] == site and x["round"] == round_no for x in leases)
 
 
+def grants(live: LiveCoordinator, site: str, round_no: int) -> list[dict]:
+    """The ledger's grant events of ``site`` for ``round_no``, in order."""
+    with closing(sqlite3.connect(live.state_dir / "state.sqlite")) as conn:
+        rows = conn.execute("SELECT args FROM darl_events WHERE op = 'grant' ORDER BY seq")
+        events = [json.loads(args) for (args,) in rows]
+    return [e for e in events if e["site"] == site and e["round_no"] == round_no]
+
+
 class HeldBack(SiteRunner):
     """A real site runner whose phase of round k starts only once ``gates[k]`` is set; it
     holds (and heartbeats) the round's lease meanwhile, which keeps the round open."""
@@ -66,11 +79,17 @@ Outcomes = dict[str, dict[int, object]]
 
 
 def start_pair(
-    live: LiveCoordinator, data: Path, tmp_path: Path, held: dict[str, dict[int, threading.Event]]
+    live: LiveCoordinator,
+    data: Path,
+    tmp_path: Path,
+    held: dict[str, dict[int, threading.Event]],
+    runners: dict[str, SiteRunner] | None = None,
+    accumulation_for: Callable[[str, int], int | None] = lambda site, round_no: None,
 ) -> tuple[Outcomes, dict[str, object], list[BaseException], list[threading.Thread]]:
     """A run of two sites, snellius and frontier, each a real runner in a chain of its own
     (a thread), held back by ``held[site]``: their outcomes by round, their chains, the
-    errors they met and the threads, started."""
+    errors they met and the threads, started (the runners go into ``runners``; the plans give
+    ``site`` the accumulation ``accumulation_for(site, round)`` where that is not None)."""
     spec = tiny_spec(
         data,
         sites={name: 1 for name in SITES},
@@ -89,9 +108,12 @@ def start_pair(
             client = live.client(name)
             runner = HeldBack(site_settings(config, name, sites[name]), client)
             runner.gates = held[name]
+            if runners is not None:
+                runners[name] = runner
             chains[name] = run_chain(
                 name, runner, client, ChainSettings(through_round=ROUNDS),
                 on_round=lambda o, s: outcomes[name].__setitem__(o.round, o),
+                accumulation_for=lambda r: accumulation_for(name, r),
             )  # fmt: skip
         except BaseException as exc:
             errors.append(exc)
@@ -102,15 +124,24 @@ def start_pair(
     return outcomes, chains, errors, threads
 
 
+@pytest.mark.parametrize("new_a", [None, 2], ids=["same_a", "plan_doubles_a"])
 def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
-    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, new_a: int | None
 ) -> None:
+    """``plan_doubles_a``: the plans give snellius twice the accumulation from round 2 on,
+    after it asked round 2's early lease at the old size: round 2 trains that lease at the
+    A it was asked at (nothing goes back to the pool), and round 3, asked at the plan's A,
+    at the new size."""
     frontier_leased = threading.Event()  # frontier holds its lease of round 1
     gate = threading.Event()  # snellius holds an early lease of round 2
     # round 1 waits for frontier by its lease, not by timing: snellius trains round 1 once
     # frontier holds its lease, frontier once snellius is a round ahead
     held = {"snellius": {1: frontier_leased}, "frontier": {1: gate}}
-    outcomes, chains, errors, threads = start_pair(coordinator, tiny_data, tmp_path, held)
+    runners: dict[str, SiteRunner] = {}
+    outcomes, chains, errors, threads = start_pair(
+        coordinator, tiny_data, tmp_path, held, runners,
+        lambda site, r: new_a if site == "snellius" and r >= 2 else None,
+    )  # fmt: skip
     deadline = time.monotonic() + 300
     while not gate.is_set() and time.monotonic() < deadline and not errors:
         if lease_of(coordinator, "frontier", 1):
@@ -142,6 +173,13 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     # there, folded the merged model in after step 1 and trained the other three from it
     assert ahead.merge_wait_s > 0 and ahead.fold_step == 1 and ahead.steps == 4
     assert ahead.generation == client.round_info(2)["generation"]  # measured against g+1
+    # snellius asked its early leases during the last step of the phase before, not after
+    # it (rounds 2 and 3; none past the chain's last round, so none went back unused)
+    assert runners["snellius"].early_asks_taken == 2
+    second, third = grants(coordinator, "snellius", 2), grants(coordinator, "snellius", 3)
+    assert len(second) == len(third) == 1  # one lease a round: none given back and asked again
+    assert [outcomes["snellius"][r].accumulation for r in (2, 3)] == [1, new_a or 1]
+    assert third[0]["requested"] == (new_a or 1) * second[0]["requested"]
     for round_no in range(1, ROUNDS + 1):
         deltas = client.round_info(round_no)["deltas"]
         assert sorted(d["site"] for d in deltas) == ["frontier", "snellius"]
@@ -189,3 +227,25 @@ def test_a_site_that_waits_for_the_merge_round_after_round_is_told_what_hides_it
     said = [r.getMessage() for r in caplog.records if "for the merged model" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("[snellius r3]"), said
     assert "overlap.max_stale" in said[0] and "inner.steps" in said[0]
+
+
+def test_an_early_lease_asked_but_not_trained_goes_back_to_the_pool_at_once(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    spec = tiny_spec(tiny_data, leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0))
+    coordinator.client().init_run(spec.to_dict())
+    config = overlap_config(tmp_path, coordinator, tiny_data)
+    sites = load_sites(config)
+    runner = SiteRunner(site_settings(config, "lumi", sites["lumi"]), coordinator.client("lumi"))
+    assert runner.control is not None
+    runner.control.join(1)
+    ask = EarlyAsk(runner.control, 2, 2, 1.0, 1)  # round 2 while round 1 is open: early
+    taken = ask.take()
+    assert taken is not None and taken[0]["n_blocks"] >= 1
+    assert lease_of(coordinator, "lumi", 2)
+    time.sleep(1.0)  # its heartbeat runs from the grant on: the lease stays alive
+    assert taken[2].lost is None
+    ask.drop()  # the phase that would train it never starts (the job ends)
+    assert not lease_of(coordinator, "lumi", 2)
+    row = {r["site"]: r for r in coordinator.client().ledger()}["lumi"]
+    assert row["blocks_lost"] == taken[0]["n_blocks"]  # released, not left to its TTL
