@@ -282,10 +282,18 @@ class ObjectStore:
         except BotoCoreError as exc:
             raise _unreachable("listing an upload's parts", exc) from exc
 
-    def complete_upload(self, name: str, upload_id: str, size: int) -> None:
+    def complete_upload(
+        self,
+        name: str,
+        upload_id: str,
+        size: int,
+        listed: dict[int, tuple[str, int]] | None = None,
+    ) -> None:
         """Join the stored parts of an upload of ``size`` bytes into object ``name``; a part
-        missing or of the wrong size is refused (409 ``missing_part``) and nothing changes."""
-        listed = self.listed_parts(name, upload_id)
+        missing or of the wrong size is refused (409 ``missing_part``) and nothing changes.
+        ``listed``: the upload's parts as :meth:`listed_parts` just gave them (not asked
+        again)."""
+        listed = self.listed_parts(name, upload_id) if listed is None else listed
         if listed is None:
             raise ObjectStoreError(
                 f"upload {upload_id} of {name} is not open (completed, aborted or unknown); "
@@ -367,13 +375,19 @@ class ObjectStore:
             raise _unreachable("looking up an object", exc) from exc
 
     def digest(
-        self, name: str, algo: str, also: Callable[[bytes], None] | None = None
+        self,
+        name: str,
+        algo: str,
+        also: Callable[[bytes], None] | None = None,
+        size: int | None = None,
     ) -> tuple[str, int]:
         """The object's ``algo:hex`` digest and size, read back in ranges of
         :data:`STRIPE_BYTES`, up to ``max_concurrency`` of them at once (on a long link one
         stream is bound by its window), and hashed in order; ``also`` sees each range too, in
-        order (a check made in the same pass). What is in memory is the ranges in flight."""
-        size = self.size(name)
+        order (a check made in the same pass). What is in memory is the ranges in flight.
+        ``size``: the object's size when the caller knows it (an upload it just joined from
+        parts of checked sizes), which saves asking the store for it."""
+        size = self.size(name) if size is None else size
         if size is None:
             raise _unreachable("reading an object back", FileNotFoundError(name))
         hasher = new_hasher(algo)
@@ -500,6 +514,8 @@ def _seconds(stamp: Any) -> float:
 class ObjectTensorFile(TensorFile):
     """A safetensors object read tensor by tensor with ranged GETs, like :class:`TensorFile`
     reads a file with ``pread``: a reader holds the tensors it keeps and nothing more."""
+
+    remote = True
 
     def __init__(self, store: ObjectStore, name: str) -> None:
         """Opening costs one GET (the object's first :data:`HEAD_BYTES` and its size), two

@@ -113,9 +113,13 @@ class ObjectBlobs:
             if owner in stored:
                 self.objects.abort_upload(name, upload_id)
                 return {"key": key, "complete": True, "bytes": stored[owner]}
-            if self.objects.listed_parts(name, upload_id) is not None:
-                self.objects.complete_upload(name, upload_id, size)
-            elif self.objects.size(name) is None:
+            listed = self.objects.listed_parts(name, upload_id)
+            if listed is not None:
+                self.objects.complete_upload(name, upload_id, size, listed)
+                joined: int | None = size  # the parts' sizes were checked against it
+            else:
+                joined = self.objects.size(name)
+            if joined is None:
                 raise BlobError(
                     f"upload {upload_id} of {key} is not open and no object was joined; "
                     "ask for a new upload",
@@ -125,7 +129,7 @@ class ObjectBlobs:
             shapes = self.shapes()
             check = StreamingDeltaCheck(shapes) if shapes else None
             actual, got = self.objects.digest(
-                name, parse_digest(key)[0], None if check is None else check.feed
+                name, parse_digest(key)[0], None if check is None else check.feed, joined
             )
             if actual != key:
                 self.objects.delete(name)

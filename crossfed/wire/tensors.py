@@ -323,6 +323,9 @@ class TensorFile:
     ``keys``, ``metadata`` and ``get_tensor`` like a ``safe_open`` handle.
     """
 
+    #: each read waits out a round trip (an object store): a reader gains by reading ahead
+    remote = False
+
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_RDONLY)

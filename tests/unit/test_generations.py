@@ -7,6 +7,7 @@ a bad state file is refused by name; and the merge's memory must not grow with t
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 import threading
@@ -501,3 +502,86 @@ def test_leases_and_heartbeats_are_answered_while_a_merge_runs(
     assert opened["first_lease_at"] == opened["opened_at"]
     live = {x["lease_id"]: x["round"] for x in coord.status()["active_leases"]}
     assert live == {ahead["lease"]["lease_id"]: 2}
+
+
+def _fp32_bytes(shape: tuple[int, ...], rows: tuple[int, int] | None) -> int:
+    """fp32 bytes of rows ``rows`` (all when None) of a tensor of ``shape``."""
+    count = rows[1] - rows[0] if rows else (shape[0] if shape else 1)
+    return 4 * count * math.prod(shape[1:])
+
+
+class _StoreDelta(TensorFile):
+    """A delta file read as an object store's is (``remote``: each read a round trip), whose
+    reads in flight are counted: ``most`` reads and ``most_bytes`` fp32 bytes of pieces at
+    once. Its first read waits (10 s at most) until a second one has begun, so a merge that
+    reads it ahead shows it whatever the machine's load."""
+
+    remote = True
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.cond = threading.Condition()
+        self.flying: dict[tuple, int] = {}
+        self.reads = self.most = self.most_bytes = 0
+        self.second_came: bool | None = None
+
+    def read(self, name, out=None, *, rows=None):  # noqa: ANN001, ANN201
+        shape = self.spec(name).shape
+        piece = (name, rows)
+        with self.cond:
+            self.flying[piece] = _fp32_bytes(shape, rows)
+            self.reads += 1
+            self.most = max(self.most, len(self.flying))
+            self.most_bytes = max(self.most_bytes, sum(self.flying.values()))
+            self.cond.notify_all()
+            if self.reads == 1 and self.remote:
+                self.second_came = self.cond.wait_for(lambda: self.reads > 1, 10.0)
+        try:
+            return super().read(name, out, rows=rows)
+        finally:
+            with self.cond:
+                del self.flying[piece]
+
+
+@pytest.mark.parametrize(
+    ("limit", "remote"),
+    [(1 << 30, True), (4 * 240, True), (4 * 240, False)],
+    ids=["store-by-tensor", "store-by-rows", "local-file"],
+)
+def test_a_delta_in_a_store_is_read_ahead_within_a_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int, remote: bool
+) -> None:
+    """A delta an object store holds is read several pieces ahead of the merge (each read
+    a round trip: one at a time, a model's hundreds of tensors wait out hundreds of them),
+    at most READAHEAD_PIECES at once and PIECE_BYTES of fp32 beyond the largest piece; a
+    local file's pieces are read one at a time (no memory spent for nothing). The merge
+    writes what the in-memory step computes, and leaves no reader thread."""
+    monkeypatch.setattr(generations, "PIECE_BYTES", limit)
+    monkeypatch.setattr(generations, "READAHEAD_PIECES", 3)
+    master, momentum, paths = generation_one(tmp_path, 2)
+    tokens = [60, 40]
+    deltas: list[_StoreDelta] = []
+
+    def step(emit):  # noqa: ANN001, ANN202
+        deltas[:] = [_StoreDelta(p) for p in paths]
+        for delta in deltas:
+            delta.remote = remote
+        return merge_step(tmp_path / "master-1", SHAPES, deltas, tokens, emit, OuterConfig())
+
+    out = tmp_path / "out"
+    _, report, _ = write_generation(
+        out / "master-2", out / "global-2", SHAPES, 2, step, momentum=True
+    )
+    largest_piece = max(4 * math.prod(p.shape) for p in generations.pieces(SHAPES, limit))
+    for delta in deltas:
+        if remote:
+            assert delta.second_came, "the merge read one piece of a store's delta at a time"
+            assert 2 <= delta.most <= 3
+            assert delta.most_bytes <= limit + largest_piece
+        else:
+            assert delta.second_came is None and delta.most == 1
+    deltas_read = [load_file(str(p)) for p in paths]
+    assert report == outer_step(master, momentum, deltas_read, tokens, OuterConfig())
+    state = load_file(str(out / "master-2"))
+    assert all(torch.equal(state[k], master[k]) for k in master)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("generation-")] == []

@@ -578,3 +578,25 @@ def test_a_rounds_deltas_are_opened_side_by_side(weed: SeaweedFS, tmp_path: Path
     missing = (digest_file(tmp_path / f"{SITES[0]}.safetensors"), "nobody")
     with pytest.raises(FileNotFoundError, match="blobs/nobody/"):
         blobs.open_many([refs[0], missing])
+
+
+def test_completing_an_upload_asks_the_store_no_more_than_it_must(
+    weed: SeaweedFS, tmp_path: Path
+) -> None:
+    """A site's upload is joined and checked with one ListParts, the completion and the
+    ranged reads of the check: the parts' listing is not asked twice and the joined object's
+    size (the checked parts' sum) not asked at all, two round trips fewer on a site's
+    commit path (70 ms each from LUMI-O). The object is kept, with its size."""
+    store = model_store(weed, "complete/")
+    blobs = ObjectBlobs(store, state_db.connect(tmp_path / "state.db"), threading.RLock())
+    path = big_file(tmp_path / "blob")
+    key, data = digest_file(path), path.read_bytes()
+    plan = blobs.begin(key, "lumi", len(data))
+    for part in plan["parts"]:
+        body = data[part["offset"] : part["offset"] + part["bytes"]]
+        assert httpx.put(part["url"], content=body).status_code == 200
+    calls = store_calls(store)
+    assert blobs.complete(key, "lumi", plan["upload_id"], len(data))["bytes"] == len(data)
+    reads = -(-len(data) // objectstore.STRIPE_BYTES)
+    assert calls == ["ListParts", "CompleteMultipartUpload"] + ["GetObject"] * reads
+    assert blobs.stored(key) == {"lumi": len(data)}
