@@ -101,6 +101,9 @@ class Closing(Views):
             store.set_meta(self.conn, "spec", spec.to_dict())
         self.spec = spec
         log.info("run extended: schedule %d -> %d inner steps", old_total, new_total)
+        assert self.book is not None
+        if not self.book.active_leases():  # the run had ended: its next round waited unworked
+            self._hold_round_clock(store.last_activity(self.conn))
         return {"created": False, "extended": True, **self.status()}
 
     def tick(self) -> dict[str, Any] | None:
@@ -129,8 +132,10 @@ class Closing(Views):
             since = now - self.spec.rounds.join_window_s
             announced = store.announced_sites(self.conn, current["round_no"], since)
             announced -= len(set(active))
+            paused = store.round_pause_s(self.conn, current["round_no"])
             reason = close_decision(
-                opened_at=current["opened_at"],
+                # the deadline counts only time in which the round could be worked on
+                opened_at=current["opened_at"] + paused,
                 first_lease_at=current["first_lease_at"],
                 now=now,
                 deltas=len(deltas),

@@ -141,10 +141,32 @@ class Core:
         if self.book.active_leases():  # sites could not heartbeat while we were down
             with self._mutation():
                 self._event("grace", {"now": self.clock()})
+        self._hold_round_clock(store.last_activity(self.conn))
         generation = self._restore_state()
         log.info("loaded run at generation %d (%d ledger events replayed)", generation, replayed)
         params = sum(math.prod(shape) for shape in self.shapes.values())
         threading.Thread(target=warm_up, args=(params,), name="warm-merge", daemon=True).start()
+
+    def _hold_round_clock(self, since: float | None) -> None:
+        """The open round's deadline counts only time in which it could be worked on:
+        nobody could since ``since`` (the coordinator was down, or the run had ended and is
+        now extended), so it comes that much later (the round's recorded opening stays). A
+        run resumed or extended after a pause longer than ``rounds.deadline_s`` would
+        otherwise close its open round on the first delta to arrive, and every other site's
+        delta of it would be stale."""
+        current = store.current_round(self.conn)
+        if since is None or current is None:
+            return
+        now = self.clock()
+        paused = now - since
+        if paused >= 1.0:
+            with store.Transaction(self.conn):
+                store.hold_round(self.conn, current["round_no"], paused, now)
+            log.log(
+                logging.INFO if paused >= 60.0 else logging.DEBUG,  # not a restart's seconds
+                "round %d: its deadline comes %.0f s later (nobody could work on it meanwhile)",
+                current["round_no"], paused,
+            )  # fmt: skip
 
     def _restore_state(self) -> int:
         """The last committed generation and its master's tensor names and shapes (read

@@ -154,6 +154,38 @@ def mark_first_lease(conn: sqlite3.Connection, round_no: int, now: float) -> Non
     )
 
 
+#: meta key: ``{"round_no", "seconds", "at"}``, the time the open round could not be worked
+#: on (its deadline counts that much later), last held at ``at``
+ROUND_PAUSE = "round_pause"
+
+
+def last_activity(conn: sqlite3.Connection) -> float | None:
+    """The latest moment the run's state records: a site heard from, a delta accepted, a
+    round opened or leased, a pause held (None before a run exists)."""
+    row = conn.execute(
+        "SELECT MAX(t) FROM (SELECT MAX(last_seen) AS t FROM sites "
+        "UNION ALL SELECT MAX(accepted_at) FROM deltas "
+        "UNION ALL SELECT MAX(opened_at) FROM rounds "
+        "UNION ALL SELECT MAX(first_lease_at) FROM rounds)"
+    ).fetchone()
+    pause = get_meta(conn, ROUND_PAUSE)
+    times = [float(row[0])] if row is not None and row[0] is not None else []
+    times += [float(pause["at"])] if pause else []
+    return max(times, default=None)
+
+
+def round_pause_s(conn: sqlite3.Connection, round_no: int) -> float:
+    """Seconds round ``round_no`` could not be worked on since it opened (0: none)."""
+    pause = get_meta(conn, ROUND_PAUSE)
+    return float(pause["seconds"]) if pause and pause["round_no"] == round_no else 0.0
+
+
+def hold_round(conn: sqlite3.Connection, round_no: int, seconds: float, at: float) -> None:
+    """Round ``round_no`` could not be worked on for ``seconds`` more, up to ``at``."""
+    total = round_pause_s(conn, round_no) + seconds
+    set_meta(conn, ROUND_PAUSE, {"round_no": round_no, "seconds": total, "at": at})
+
+
 def close_round(
     conn: sqlite3.Connection, round_no: int, closed_at: float, reason: str, report: dict
 ) -> None:

@@ -14,13 +14,14 @@ from crossfed import moments
 from crossfed.config import ConfigError, load_run_config, load_sites
 from crossfed.coordinator.runspec import RunSpec, RunSpecError, differences, run_spec
 from crossfed.coordinator.service import Coordinator, CoordinatorError
+from crossfed.coordinator.store import round_pause_s
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
 from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
 from crossfed.sched.commands import build_parser as sched_parser
 from crossfed.site.loop import chain_continues
 from crossfed.train.schedule import LRSchedule
-from tests.conftest import tiny_spec
+from tests.conftest import digest_of, staged_delta, tiny_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -228,3 +229,42 @@ def test_plan_takes_the_run_length_from_the_config(tmp_path: Path) -> None:
 def test_run_spec_round_trips(tiny_data: Path) -> None:
     spec = tiny_spec(tiny_data)
     assert RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_a_round_left_unworked_by_a_pause_gets_its_whole_deadline(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    """A round's deadline (600 s here) counts only time in which it could be worked on. A
+    coordinator restarted an hour after it went down (its sites' leases live on in grace)
+    does not close the open round on the first delta to come in, which would make the other
+    site's delta of it stale; the deadline then closes it 600 s on, as ever. A run extended
+    a day after its last round, on a coordinator that served all along, opens the next
+    round's deadline at the extension, not at the end of the round before."""
+    staged = staged_delta(tmp_path / "state", tiny_data, seed=1)  # clock at 1000 s
+    now, held = staged.now, staged.held
+    staged.coord.register("snellius", digest_of(tiny_data), 1, 1.0)
+    other = staged.coord.lease("snellius", 1, 2, None, 1.0)["lease"]
+    now[0] += 3600.0  # the coordinator was down for an hour
+    coord = Coordinator(tmp_path / "state", clock=lambda: now[0])
+    coord.submit(
+        site="lumi", round_no=1, lease_id=held["lease_id"], generation=0, tokens=100, steps=4,
+        consumed=held["n_blocks"], blob=staged.key,
+    )  # fmt: skip
+    assert coord.tick() is None and coord.status()["round"] == 1  # snellius's lease counts
+    for _ in range(12):  # snellius's lease kept alive up to the deadline, 600 s on
+        now[0] += 50.0
+        coord.heartbeat(other["lease_id"], "snellius", 1, None)
+        assert now[0] == 5200.0 or coord.tick() is None
+    closed = coord.tick()
+    assert closed is not None and closed["reason"] == "deadline"
+    assert closed["contributors"] == ["lumi"]
+
+    spec = tiny_spec(tiny_data, schedule=LRSchedule(total_steps=40))
+    clock = [5000.0]
+    served = Coordinator(tmp_path / "served", clock=lambda: clock[0])
+    served.init_run(spec)
+    opened = served.current_round()["opened_at"]
+    clock[0] += 86400.0  # a day on, the run is extended by more rounds
+    served.init_run(replace(spec, schedule=replace(spec.schedule, total_steps=60)))
+    assert served.current_round()["opened_at"] == opened  # the record stays as it was
+    assert round_pause_s(served.conn, 1) == 86400.0
