@@ -22,6 +22,7 @@ for a merged model and the workflow's seconds.
 
     .venv/bin/python bench/wan_goodput.py               # three workflows, about 15 minutes
     .venv/bin/python bench/wan_goodput.py --rounds 1 --variants wan_1 wan_n   # smoke
+    .venv/bin/python bench/wan_goodput.py --variants wan_n --max-stale 0.5   # a later fold-in
 """
 
 from __future__ import annotations
@@ -49,9 +50,15 @@ REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("local", "wan_1", "wan_n")
 
 
-def run_workflow(root: Path, link: Link | None, streams: int, rounds: int | None) -> dict:
+def run_workflow(
+    root: Path,
+    link: Link | None,
+    streams: int,
+    rounds: int | None,
+    max_stale: float | None = None,
+) -> dict:
     """The local workflow in ``root`` against its own coordinator, through ``link`` (None:
-    over loopback); its figures."""
+    over loopback), with ``overlap.max_stale`` set where given; its figures."""
     state = root / "coordinator"
     state.mkdir(parents=True)
     sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
@@ -74,6 +81,8 @@ def run_workflow(root: Path, link: Link | None, streams: int, rounds: int | None
             config["transport"].update(streams=streams, stream_min_bytes=64 << 10)
             if rounds:
                 config["rounds"] = rounds
+            if max_stale is not None:
+                config["overlap"]["max_stale"] = max_stale
             what = f"{streams} stream(s) through {link}"
             figures = run_local_workflow(root, config, what, env={"NO_PROXY": ""})
     finally:
@@ -93,6 +102,12 @@ def main() -> None:
         "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="runs to make"
     )
     parser.add_argument(
+        "--max-stale",
+        type=float,
+        default=None,
+        help="overlap.max_stale for every run (default: config.yaml's): a later fold-in",
+    )
+    parser.add_argument(
         "--keep", type=Path, default=None, help="make the runs in this folder and keep them"
     )
     args = parser.parse_args()
@@ -107,7 +122,7 @@ def main() -> None:
     with folder as tmp:
         for name in args.variants:
             via, streams = plan[name]
-            runs[name] = run_workflow(Path(tmp) / name, via, streams, args.rounds)
+            runs[name] = run_workflow(Path(tmp) / name, via, streams, args.rounds, args.max_stale)
             print(json.dumps({name: runs[name]}), flush=True)
     print(
         json.dumps(
@@ -116,6 +131,7 @@ def main() -> None:
                 "rtt_ms": args.rtt_ms,
                 "window_bytes": args.window,
                 "streams_n": args.streams,
+                "max_stale": args.max_stale,
                 **{f"goodput_{name}": runs.get(name, {}).get("goodput") for name in VARIANTS},
                 "runs": runs,
             }
