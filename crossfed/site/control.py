@@ -113,6 +113,12 @@ class EarlyAsk:
         finally:
             self._done.set()
 
+    def granted_lease(self) -> bool:
+        """Whether the lease was granted (waits for the answer); an error is raised by
+        ``take``."""
+        self._done.wait()
+        return self.error is None and self.granted is not None and self.beat is not None
+
     def take(self) -> tuple[dict, int, Heartbeat] | None:
         """The granted lease, its global step and its running heartbeat (None: no lease)."""
         self._done.wait()

@@ -76,7 +76,9 @@ class RoundRunner(Protocol):
     With overlapped rounds (``overlapped``) ``run_round`` returns while the delta is still
     being sent (status "sending"); while that round is ``in_flight`` the chain starts the
     next one at once. ``settled()`` hands over the outcomes of such rounds once their sends
-    are answered, and ``finish()`` waits for the last one.
+    are answered, and ``finish()`` waits for the last one. A runner may also say, with
+    ``leased_ahead()``, the round of an early lease it has already been granted: the chain
+    then starts that round without asking the coordinator's status.
     """
 
     overlapped: bool
@@ -299,8 +301,15 @@ def run_chain(
                 break
         decision = None
         if client is not None:
-            current = int(client.status()["round"])
             ahead = overlap and bool(getattr(runner, "in_flight", False))
+            leased = runner.leased_ahead() if ahead and hasattr(runner, "leased_ahead") else None
+            if leased is not None and leased - 1 in done:
+                # an early lease of the next round is granted: the coordinator is at most
+                # there (it cannot close a round this site holds a live lease of), and the
+                # decision is the same at either round, so no status round trip is spent
+                current = leased - 1
+            else:
+                current = int(client.status()["round"])
             decision = next_action(current, done, settings, out, durations, clock(), ahead)
         action, current = share(decision)
         if action == "stop":

@@ -217,6 +217,13 @@ class SiteRunner:
             self._inflight = None
         return self.settled()
 
+    def leased_ahead(self) -> int | None:
+        """Rank 0: the round of the early lease asked during the last phase's last step, once
+        it is granted (None: none asked, or none given). The chain then knows the round it
+        trains next without asking the coordinator's status (a round trip a phase change)."""
+        ask = self._ask
+        return ask.round_no if ask is not None and ask.granted_lease() else None
+
     def _send_answered(self, outcome: RoundOutcome) -> None:
         """A background send was answered (the sending thread calls this)."""
         if self.on_settled is not None:

@@ -408,3 +408,53 @@ def test_with_overlap_a_sent_round_is_recorded_once_its_send_is_answered() -> No
     # past it still gets a job
     assert coordinator.round == 3 and out.stopped == "run_complete" and out.next_round == 4
     assert not chain_continues(out.to_dict(), 3) and chain_continues(out.to_dict(), 4)
+
+
+@pytest.mark.parametrize("granted", [True, False], ids=["early_lease_granted", "none_granted"])
+def test_with_an_early_lease_granted_the_next_round_starts_without_asking_the_status(
+    granted: bool,
+) -> None:
+    """A phase change behind a long link spends no status round trip when the runner already
+    holds the next round's early lease (the coordinator cannot be past that round); without
+    one, the chain asks as before. The rounds trained are the same either way."""
+    clock = [0.0]
+    asked: list[int] = []
+
+    class Counting(FakeCoordinator):
+        def status(self) -> dict:
+            answer = super().status()
+            asked.append(answer["round"])
+            return answer
+
+    coordinator = Counting(lag=1)
+
+    class Overlapped:
+        overlapped = True
+
+        def __init__(self) -> None:
+            self.trained: list[int] = []
+            self.in_flight = False
+
+        def run_round(self, round_no: int, accumulation: int | None = None) -> Outcome:
+            assert round_no in (coordinator.round, coordinator.round + 1), "two rounds ahead"
+            if self.trained:  # the previous round's merge has arrived by now
+                coordinator.round = max(coordinator.round, self.trained[-1] + 1)
+            clock[0] += 2.0
+            self.trained.append(round_no)
+            self.in_flight = True
+            return Outcome(round_no, "accepted")
+
+        def leased_ahead(self) -> int | None:
+            return self.trained[-1] + 1 if granted else None
+
+        def settled(self) -> list[Outcome]:
+            return []
+
+        def finish(self) -> list[Outcome]:
+            return []
+
+    runner = Overlapped()
+    out = run_chain("lumi", runner, coordinator, ChainSettings(through_round=4),
+                    clock=lambda: clock[0], sleep=lambda s: None)  # fmt: skip
+    assert runner.trained == [1, 2, 3, 4] and out.trained == 4
+    assert asked == ([1] if granted else [1, 1, 2, 3])  # at the start; with none, every change
