@@ -57,13 +57,24 @@ def tail(path: Path, lines: int = 12) -> str:
 
 
 def run_local_workflow(
-    root: Path, config: dict, what: str, cores: int | None = None, env: dict | None = None
+    root: Path,
+    config: dict,
+    what: str,
+    cores: int | None = None,
+    env: dict | None = None,
+    sites: dict | None = None,
 ) -> dict:
-    """The local workflow in ``root`` with ``config`` and the committed sites file (extra
-    environment ``env``); its figures. A failed workflow ends the bench naming ``what``."""
+    """The local workflow in ``root`` with ``config`` and ``sites`` (default: the committed
+    sites file), extra environment ``env``; its figures. A failed workflow ends the bench
+    naming ``what``."""
     (root / "config").mkdir(parents=True)
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    (root / "config" / "sites.yaml").write_text((REPO / "config" / "sites.yaml").read_text())
+    sites_yaml = (
+        (REPO / "config" / "sites.yaml").read_text()
+        if sites is None
+        else yaml.safe_dump(sites, sort_keys=False)
+    )
+    (root / "config" / "sites.yaml").write_text(sites_yaml)
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **(env or {})}
     cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--profile",
            str(REPO / "profiles" / "local")]  # fmt: skip

@@ -14,6 +14,14 @@ its own standalone coordinator process (``crossfed coordinator serve``):
   and ``--streams`` N; ``transport.stream_min_bytes`` is lowered to 64 KiB so the tiny
   model's transfers split at all (Qwen3-0.6B's 1.19 GB split under the default 16 MiB).
 
+Every site's steps last at least ``--step-s`` seconds (default 1 s, ``min_step_s`` in the
+sites file; the tiny model's own steps take a fraction of that here), so a phase of the
+workflow's H=25 steps lasts 25 s on any machine and the three sites no longer race for this
+machine's two cores: the 8-stream chain behind a fold-in (upload, merge, download) is then
+about a fifth of a phase and the one-stream chain about two thirds, as for Qwen3-0.6B over
+Frontier's link at the paper's H=100. ``--step-s 0`` runs the steps at this machine's pace
+(phases of 5-20 s that follow its load: the figures before this setting).
+
 Goodput is the report's (``final.json`` key ``goodput``): the sites' accepted compute
 seconds over the wall seconds of their site jobs. The last line printed is one JSON object:
 ``goodput_local``, ``goodput_wan_1``, ``goodput_wan_n`` (target: ``goodput_wan_n`` >= 0.95
@@ -23,6 +31,7 @@ for a merged model and the workflow's seconds.
     .venv/bin/python bench/wan_goodput.py               # three workflows, about 15 minutes
     .venv/bin/python bench/wan_goodput.py --rounds 1 --variants wan_1 wan_n   # smoke
     .venv/bin/python bench/wan_goodput.py --variants wan_n --max-stale 0.5   # a later fold-in
+    .venv/bin/python bench/wan_goodput.py --step-s 0    # steps at this machine's own pace
 """
 
 from __future__ import annotations
@@ -48,6 +57,23 @@ from crossfed.testing.wan_emulator import PAPER_LINKS, EmulatorProcess, Link  # 
 REPO = Path(__file__).resolve().parent.parent
 #: the runs: over loopback, behind the link on one stream, behind it on N
 VARIANTS = ("local", "wan_1", "wan_n")
+#: seconds every site's step lasts at least: phases of H=25 steps last 25 s, so that the link's
+#: chain behind a fold-in (upload, merge, download) is the share of a phase it is for
+#: Qwen3-0.6B over Frontier's link at H=100 with the paper's step time (docs/wan.md)
+STEP_S = 1.0
+
+
+def paced_sites(step_s: float) -> dict:
+    """The committed sites file with every site's steps lasting at least ``step_s`` seconds
+    (``min_step_s``, above each site's own paced step here): every phase of H steps lasts
+    the same seconds on any machine, and the three sites' steps no longer race for this
+    machine's two cores, as a real site's own GPUs do not (0: the committed file, steps at
+    this machine's pace)."""
+    sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
+    if step_s > 0:
+        for site in sites["sites"].values():
+            site["min_step_s"] = step_s
+    return sites
 
 
 def run_workflow(
@@ -56,9 +82,11 @@ def run_workflow(
     streams: int,
     rounds: int | None,
     max_stale: float | None = None,
+    step_s: float = 0.0,
 ) -> dict:
     """The local workflow in ``root`` against its own coordinator, through ``link`` (None:
-    over loopback), with ``overlap.max_stale`` set where given; its figures."""
+    over loopback), with ``overlap.max_stale`` set where given and the sites' steps paced at
+    ``step_s`` (``paced_sites``); its figures."""
     state = root / "coordinator"
     state.mkdir(parents=True)
     sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
@@ -84,7 +112,9 @@ def run_workflow(
             if max_stale is not None:
                 config["overlap"]["max_stale"] = max_stale
             what = f"{streams} stream(s) through {link}"
-            figures = run_local_workflow(root, config, what, env={"NO_PROXY": ""})
+            figures = run_local_workflow(
+                root, config, what, env={"NO_PROXY": ""}, sites=paced_sites(step_s)
+            )
     finally:
         stop_process(coordinator)
     keep = ("val_perplexity", "rounds", "merge_wait_s", "workflow_s")
@@ -108,6 +138,12 @@ def main() -> None:
         help="overlap.max_stale for every run (default: config.yaml's): a later fold-in",
     )
     parser.add_argument(
+        "--step-s",
+        type=float,
+        default=STEP_S,
+        help="every site's steps last at least this many seconds (0: this machine's pace)",
+    )
+    parser.add_argument(
         "--keep", type=Path, default=None, help="make the runs in this folder and keep them"
     )
     args = parser.parse_args()
@@ -122,7 +158,9 @@ def main() -> None:
     with folder as tmp:
         for name in args.variants:
             via, streams = plan[name]
-            runs[name] = run_workflow(Path(tmp) / name, via, streams, args.rounds, args.max_stale)
+            runs[name] = run_workflow(
+                Path(tmp) / name, via, streams, args.rounds, args.max_stale, args.step_s
+            )
             print(json.dumps({name: runs[name]}), flush=True)
     print(
         json.dumps(
@@ -132,6 +170,7 @@ def main() -> None:
                 "window_bytes": args.window,
                 "streams_n": args.streams,
                 "max_stale": args.max_stale,
+                "step_s": args.step_s,
                 **{f"goodput_{name}": runs.get(name, {}).get("goodput") for name in VARIANTS},
                 "runs": runs,
             }

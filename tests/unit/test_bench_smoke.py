@@ -142,7 +142,7 @@ WORKFLOW_SMOKES = [
     Smoke(
         "bench/wan_goodput.py",
         "--rounds 1 --variants wan_n --keep {tmp}/runs",
-        ("goodput_local", "goodput_wan_1", "goodput_wan_n", "runs"),
+        ("goodput_local", "goodput_wan_1", "goodput_wan_n", "step_s", "runs"),
     ),
 ]
 
