@@ -363,12 +363,17 @@ class LeaseBook:
                 f"lease {lease_id}: consumed {consumed} outside [{lease.consumed}, "
                 f"{lease.n_blocks}]",
             )
+        return self._renew(lease, consumed, now, ttl_s)
+
+    def _renew(self, lease: Lease, consumed: int, now: float, ttl_s: float | None) -> Lease:
+        """Set ``lease``'s progress and start its TTL anew (``ttl_s``, when given, replaces
+        it); its holder was seen ``now``. A copy of the lease."""
         if ttl_s is not None:
             lease.ttl_s = _finite("ttl_s", ttl_s, positive=True)
         lease.consumed = consumed
         lease.expires_at = now + lease.ttl_s
         self._push_expiry(lease)
-        self._seen[site] = now
+        self._seen[lease.site] = now
         return dataclasses.replace(lease)
 
     def steal(
@@ -558,13 +563,7 @@ class LeaseBook:
                 "bad_progress",
                 f"lease {lease_id}: adopted at consumed {consumed}, but it is at {lease.consumed}",
             )
-        if ttl_s is not None:
-            lease.ttl_s = _finite("ttl_s", ttl_s, positive=True)
-        lease.consumed = 0
-        lease.expires_at = now + lease.ttl_s
-        self._push_expiry(lease)
-        self._seen[site] = now
-        return dataclasses.replace(lease)
+        return self._renew(lease, 0, now, ttl_s)
 
     def _get(self, lease_id: int) -> Lease:
         ok = isinstance(lease_id, int | np.integer) and not isinstance(lease_id, bool)
