@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from crossfed.client.http import Refused
-from crossfed.coordinator.runspec import RoundPolicy
+from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.ledger import COMMITTED_TABLE
 from crossfed.data.windows import read_meta
@@ -36,6 +36,16 @@ def space_of(data: Path, block_size: int = BLOCK) -> BlockSpace:
 def darl(coordinator: LiveCoordinator, tiny_data: Path) -> LiveCoordinator:
     """A coordinator serving the tiny corpus in M = 14 blocks."""
     coordinator.client().init_run(tiny_spec(tiny_data, block_size=BLOCK).to_dict())
+    return coordinator
+
+
+@pytest.fixture
+def darl_long_leases(coordinator: LiveCoordinator, tiny_data: Path) -> LiveCoordinator:
+    """``darl`` with leases that outlive a site process's restart however busy the machine
+    (``darl``'s TTL of 2 s does not: a restart's Python start can take longer)."""
+    leases = LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0, probe_share=1.0)
+    spec = tiny_spec(tiny_data, block_size=BLOCK, leases=leases)
+    coordinator.client().init_run(spec.to_dict())
     return coordinator
 
 
@@ -485,8 +495,9 @@ def journal(work: Path, site: str) -> list[dict]:
 
 
 def test_site_killed_after_its_checkpoint_commits_exactly_once_after_restart(
-    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+    darl_long_leases: LiveCoordinator, tiny_data: Path, tmp_path: Path
 ) -> None:
+    darl = darl_long_leases  # the restart resends within its lease's life
     g0 = global_model(darl, 0, tmp_path)
     delta = tmp_path / "delta.safetensors"
     save_file({k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in g0.items()}, str(delta))
