@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from crossfed.backoff import Backoff
-from crossfed.client.http import CoordinatorClient, Refused
+from crossfed.client.http import CoordinatorClient, Refused, Unreachable
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.fileio import keep_global_model
 from crossfed.progress import site_prefix
@@ -311,6 +311,21 @@ class Control:
     def release(self, lease_id: int) -> None:
         self.client.release(lease_id, self.site)
 
+    def _release_refused(self, pending: PendingDelta) -> None:
+        """The lease of a refused delta can carry no other (its delta file goes, and e.g. a
+        steal that raced the step loop left it smaller than what was trained): its blocks
+        go back to the pool now rather than at its TTL, which its round would wait for. A
+        lease already gone returns nothing; an unreachable coordinator leaves it to its TTL."""
+        try:
+            returned = self.client.release(pending.lease_id, self.site).get("returned", 0)
+        except (Refused, Unreachable) as exc:
+            log.info("%s lease %d not released: %s", site_prefix(self.site, pending.round),
+                     pending.lease_id, getattr(exc, "code", exc))  # fmt: skip
+            return
+        if returned:
+            log.info("%s lease %d released: %d blocks back to the pool",
+                     site_prefix(self.site, pending.round), pending.lease_id, returned)  # fmt: skip
+
     def send(
         self, pending: PendingDelta, outcome: RoundOutcome, state_dir: Path, *, fresh: bool
     ) -> RoundOutcome:
@@ -338,6 +353,8 @@ class Control:
             outcome.status = "stale" if exc.code == "stale_generation" else "lease_lost"
             outcome.detail = f"{exc.code}: {exc.detail}"
             reply = None
+            if exc.code != "stale_generation":  # a stale delta's lease the coordinator freed
+                self._release_refused(pending)
         outcome.upload_s = time.perf_counter() - t0
         size_mb = size / 1e6
         outcome.transport = f"{streams} parts" if streams > 1 else "inline" if inline else "blob"

@@ -267,6 +267,50 @@ def test_a_checkpoint_that_trained_past_a_steal_is_dropped_not_sent_again_and_ag
     assert row["grants"] == 2 and row["blocks_committed"] == 2 and row["blocks_lost"] == 2
 
 
+def test_a_delta_refused_after_a_steal_the_site_did_not_hear_of_releases_its_lease(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """A steal after the site's last heartbeat takes blocks it then trains anyway: its delta
+    claims more than the lease holds and is refused, and the site releases the lease at
+    once, so the blocks it kept return to the pool now, not at the lease's TTL (120 s here,
+    which the round would otherwise wait for)."""
+    init(coordinator, tiny_data)
+    path = site_config(tmp_path, coordinator, tiny_data, slowdown=8.0)
+    data = yaml.safe_load(path.read_text())
+    data["darl"]["heartbeat_s"] = 120.0  # one heartbeat at the phase's start, then none
+    config = load_run_config(write_yaml(path, data))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+    state_dir = settings.work_dir / "lumi" / "state"
+    space = BlockSpace(read_meta(tiny_data)["n_windows"], 8, 7)
+    for name in ("snellius", "frontier"):
+        coordinator.client(name).register(name, space.digest(), 1, 1.0)
+    stolen: list[dict] = []
+
+    def steal_after_the_first_step() -> None:  # lumi's heartbeat has gone: it will not hear
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            cursor = checkpoint.latest(state_dir) if (state_dir / "latest.json").exists() else None
+            if cursor is not None and cursor["windows"] > 0:
+                snellius = coordinator.client("snellius")
+                drain = snellius.lease("snellius", 1, space.n_blocks, 4.0, 1.0)["lease"]
+                snellius.heartbeat(drain["lease_id"], "snellius", drain["n_blocks"] - 1, 4.0)
+                stolen.append(coordinator.client("frontier").lease("frontier", 1, 1, 4.0, 1.0))
+                return
+            time.sleep(0.01)
+
+    thief = threading.Thread(target=steal_after_the_first_step)
+    thief.start()
+    outcome = SiteRunner(settings, coordinator.client("lumi")).run_round(1)
+    thief.join()
+    assert stolen and stolen[0]["lease"]["n_blocks"] == 2  # lumi's lease keeps 2 of its 4
+    assert outcome.status == "lease_lost" and outcome.detail.startswith("bad_progress")
+    assert outcome.windows == 32  # it trained all 4 blocks, the 2 stolen ones too
+    active = coordinator.client().status()["active_leases"]
+    assert outcome.lease_id not in [lease["lease_id"] for lease in active]
+    row = ledger_row(coordinator, "lumi")
+    assert row["blocks_committed"] == 0 and row["blocks_lost"] == 2 and row["ttl_expiries"] == 0
+
+
 def test_a_round_takes_the_plans_accumulation_and_a_resumed_phase_keeps_its_own(
     coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
 ) -> None:
