@@ -106,6 +106,9 @@ class ChaosConfig:
     timeout_s: float = 1200.0
     faults: bool = True
     overlap: bool = False  # overlapped rounds: two leases per site, the next one early
+    min_ttl_s: float = 6.0  # the leases' shortest TTL
+    checkpoint_every: int = 0  # inner steps between mid-phase checkpoints (0: none)
+    step_s: float = 0.0  # each step lasts at least this long times the site's slowdown
 
 
 SHORT = ChaosConfig(rounds=4, coordinator_kills=1, site_kills=2, timeout_s=600.0)
@@ -315,7 +318,7 @@ def run_spec(data: Path, config: ChaosConfig) -> RunSpec:
             warmup_steps=config.inner_steps, total_steps=config.inner_steps * config.rounds
         ),
         rounds=RoundPolicy(join_window_s=2.0, deadline_s=60.0),
-        leases=LeasePolicy(min_ttl_s=6.0, initial_ttl_s=30.0),
+        leases=LeasePolicy(min_ttl_s=config.min_ttl_s, initial_ttl_s=30.0),
     )
 
 
@@ -387,8 +390,13 @@ def worker(args: argparse.Namespace) -> int:
         work_dir=work / "sites",
         block_size=config.block_size,
         data_seed=config.seed + 11,
-        inner=InnerConfig(micro_batch=config.micro_batch, slowdown=SITES[args.site]),
+        inner=InnerConfig(
+            micro_batch=config.micro_batch,
+            slowdown=SITES[args.site],
+            min_step_s=config.step_s * SITES[args.site],
+        ),
         heartbeat_s=0.5,
+        checkpoint_every=config.checkpoint_every,
         lease_wait_s=20.0,
         overlap=OverlapConfig(enabled=config.overlap),
     )

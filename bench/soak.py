@@ -85,11 +85,19 @@ MiB = 1 << 20
 class SoakConfig:
     """One soak: the run's shape and the fault schedule's knobs."""
 
-    rounds: int = 80
+    rounds: int = 60
     seed: int = 0
     documents: int = 64  # about three rounds an epoch
-    inner_steps: int = 100  # a phase of several seconds: compute is most of a round
+    inner_steps: int = 100  # H: with step_s a phase of 10 s, compute most of a round
     overlap: bool = True
+    # as the workflow's sites run (config/config.yaml): a mid-phase checkpoint every 10 steps
+    # and leases of at least 10 s
+    checkpoint_every: int = 10
+    min_ttl_s: float = 10.0
+    # each step lasts at least this long times the site's slowdown: the sites keep the pace
+    # their own GPUs would, not the pace of three processes sharing this machine's cores
+    # (faster whenever a fault idles one of them); 0 keeps the machine's own pace
+    step_s: float = 0.1
     site_kill_every: int = 5  # rounds between two kills of one site
     coordinator_every: int = 6  # rounds between two coordinator faults
     disk_full_every: int = 7  # rounds between two full-disk spells
@@ -104,7 +112,7 @@ class SoakConfig:
     replay_p: float = 0.06
     replay_delay_s: tuple[float, float] = (0.2, 3.0)
     commit_hold_p: float = 0.08
-    commit_hold_s: float = 9.0  # past the lease's shortest TTL (6 s)
+    commit_hold_s: float = 13.0  # past the lease's shortest TTL (min_ttl_s)
     restart_s: tuple[float, float] = (1.0, 3.0)
     timeout_s: float = 3600.0
     faults: bool = True
@@ -118,6 +126,9 @@ class SoakConfig:
             inner_steps=self.inner_steps,
             overlap=self.overlap,
             timeout_s=self.timeout_s,
+            min_ttl_s=self.min_ttl_s,
+            checkpoint_every=self.checkpoint_every,
+            step_s=self.step_s,
         )
 
 
@@ -127,6 +138,10 @@ PRESETS = {
         rounds=10,
         documents=8,
         inner_steps=8,
+        checkpoint_every=4,
+        min_ttl_s=6.0,
+        commit_hold_s=9.0,
+        step_s=0.0,
         site_kill_every=3,
         coordinator_every=3,
         disk_full_every=4,
