@@ -369,9 +369,12 @@ class LedgerReplay:
         self._not_holding(site, int(args["round_no"]))
         if (self.owner == POOLED).any():
             raise Refused("blocks are pooled; a steal needs an empty pool")
+        # blocks the coordinator judged each holder trained since its last heartbeat
+        ahead = {int(k): int(v) for k, v in (args.get("ahead") or {}).items()}
         victim, rest = None, 0
         for lease in self.active.values():  # ascending lease id
-            lease_rest = lease.end - lease.start - lease.consumed - 1
+            trained = lease.consumed + max(0, ahead.get(lease.lease_id, 0))
+            lease_rest = lease.end - lease.start - trained - 1
             if lease.site != site and lease_rest > rest:
                 victim, rest = lease, lease_rest
         if victim is None:

@@ -126,6 +126,8 @@ class Core:
         self._phase_blocks: dict[int, int] = {}
         #: blocks per second of compute per site, from the step times its heartbeats report
         self._step_rates: dict[str, float] = {}
+        #: seconds between a lease's last two heartbeats (its holder's heartbeat period)
+        self._beat_gaps: dict[int, float] = {}
         spec = store.get_meta(self.conn, "spec")
         if spec is not None:
             self._load(RunSpec.from_dict(spec))

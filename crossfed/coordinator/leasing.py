@@ -6,6 +6,7 @@ time and the RTT this coordinator measures itself from the heartbeats' echoes.
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Any
 
@@ -13,7 +14,7 @@ from crossfed.coordinator import store
 from crossfed.coordinator.core import CoordinatorError, lease_errors, log
 from crossfed.coordinator.rounds import next_global_step
 from crossfed.coordinator.views import Views
-from crossfed.darl.leases import lease_ttl
+from crossfed.darl.leases import LeaseError, lease_ttl
 
 MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
 ECHOES_PER_SITE = 4  # outstanding RTT nonces kept per site (a site may beat for two leases)
@@ -118,7 +119,8 @@ class Leasing(Views):
                         "grant", {**args, "n_blocks": size, "requested": n_blocks, "ranks": ranks}
                     )
                     if lease is None and not early:  # an early lease never steals
-                        lease = self._event("steal", {**args, "ranks": ranks})
+                        ahead = self._trained_unheard(site, now)
+                        lease = self._event("steal", {**args, "ranks": ranks, "ahead": ahead})
                     store.site_seen(self.conn, site, now, t_step_s=t_step_s, rtt_ms=rtt_ms)
                     if lease is not None:
                         self._phase_blocks[lease.lease_id] = n_blocks
@@ -191,6 +193,7 @@ class Leasing(Views):
             self._measure_rtt(site, echo, echo_held_s)
             now = self.clock()
             ttl = self._ttl(site, t_step_s, store.site_rtt_ms(self.conn, site))
+            renewed_at = self._renewed_at(lease_id)
             with lease_errors(409), self._mutation(fsync=False):
                 lease = self._event(
                     "heartbeat",
@@ -204,6 +207,8 @@ class Leasing(Views):
                 )
                 store.site_seen(self.conn, site, now, t_step_s=t_step_s)
                 self._note_step_rate(site, lease_id, t_step_s)
+                if renewed_at is not None:
+                    self._beat_gaps[lease_id] = now - renewed_at
             return {
                 "lease": self._lease_view(lease),
                 "round": self.current_round()["round_no"],
@@ -255,6 +260,40 @@ class Leasing(Views):
         sample = min(max(sample, 0.0), MAX_RTT_MS)
         old = self._rtt_ms.get(site)
         self._rtt_ms[site] = sample if old is None else 0.75 * old + 0.25 * sample
+
+    def _renewed_at(self, lease_id: int) -> float | None:
+        """When ``lease_id`` was last granted, renewed or taken over (None if unknown)."""
+        assert self.book is not None
+        try:
+            held = self.book.lease(lease_id)
+        except LeaseError:
+            return None
+        return held.expires_at - held.ttl_s
+
+    def _trained_unheard(self, thief: str, now: float) -> dict[str, int]:
+        """Per live lease of another site (by id, as the ledger keeps it): the blocks its
+        holder has likely trained beyond the progress it last reported, which a steal must
+        leave it. A holder hears of a steal only at its next heartbeat and trains on until
+        then: its pace (step rate, else commit rate) times the longer of the time since its
+        last heartbeat and its heartbeat period, in whole blocks (the block in progress the
+        victim keeps anyway). Leases whose holder's pace is unknown get none."""
+        assert self.book is not None
+        live = self.book.active_leases()
+        for gone in set(self._beat_gaps) - {lease.lease_id for lease in live}:
+            del self._beat_gaps[gone]
+        ahead: dict[str, int] = {}
+        for lease in live:
+            if lease.site == thief:
+                continue
+            rate = self._step_rates.get(lease.site) or self.book.commit_rate(lease.site)
+            if not rate:
+                continue
+            unheard_s = max(now - (lease.expires_at - lease.ttl_s), self._beat_gaps.get(
+                lease.lease_id, 0.0))  # fmt: skip
+            blocks = min(math.floor(rate * unheard_s), lease.n_blocks - lease.consumed)
+            if blocks > 0:
+                ahead[str(lease.lease_id)] = blocks
+        return ahead
 
     def _note_step_rate(self, site: str, lease_id: int, t_step_s: float | None) -> None:
         """The site's compute rate from a heartbeat's mean step time: the lease's phase (the

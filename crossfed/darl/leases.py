@@ -377,15 +377,24 @@ class LeaseBook:
         return dataclasses.replace(lease)
 
     def steal(
-        self, site: str, now: float, ttl_s: float, round_no: int, ranks: int | None = None
+        self,
+        site: str,
+        now: float,
+        ttl_s: float,
+        round_no: int,
+        ranks: int | None = None,
+        ahead: Mapping[int, int] | None = None,
     ) -> Lease | None:
         """A drained site takes the untouched tail of another site's largest live lease.
 
-        The victim keeps its consumed blocks, the one in progress and half (rounded down) of
-        the rest; the thief gets the remaining tail. "Largest" means the largest stealable
-        rest (n_blocks - consumed - 1), ties to the lowest lease id. None when no lease has
-        a rest of at least one block. The victim is another site's lease, never the thief's
-        own (a thief may hold a lease of an earlier round: see `grant` for when it may not).
+        The victim keeps its consumed blocks, the ones its holder has likely trained since it
+        last said so (``ahead``, per lease id: the caller's projection from the holder's pace,
+        since a holder hears of a steal only at its next heartbeat and trains on meanwhile),
+        the one in progress and half (rounded down) of the rest; the thief gets the
+        remaining tail. "Largest" means the largest stealable rest (n_blocks - consumed -
+        ahead - 1), ties to the lowest lease id. None when no lease has a rest of at least
+        one block. The victim is another site's lease, never the thief's own (a thief may
+        hold a lease of an earlier round: see `grant` for when it may not).
         """
         stats = self._site(site)
         now, ttl_s = _finite("now", now), _finite("ttl_s", ttl_s, positive=True)
@@ -394,9 +403,11 @@ class LeaseBook:
         if self._pooled:
             raise LeaseError("pool_not_empty", f"{self._pooled} blocks are pooled; grant instead")
         self._seen[site] = now
+        ahead = ahead or {}
         victim, rest = None, 0
         for lease in self._active.values():  # ascending lease id, so ties keep the oldest
-            lease_rest = lease.n_blocks - lease.consumed - 1
+            trained = lease.consumed + max(0, int(ahead.get(lease.lease_id, 0)))
+            lease_rest = lease.n_blocks - trained - 1
             if lease.site != site and lease_rest > rest:
                 victim, rest = lease.lease_id, lease_rest
         if victim is None:

@@ -166,6 +166,9 @@ def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
             args.update(ttl_s=rng.uniform(2, 20), round_no=round_no + rng.randint(0, 1))
             if op == "grant":
                 args.update(n_blocks=rng.randint(1, 6))
+            else:  # blocks the coordinator judged each holder trained since its heartbeat
+                unheard = {str(x.lease_id): rng.randint(0, 2) for x in book.active_leases()}
+                args.update(ahead=unheard)
         elif op in ("heartbeat", "commit", "release"):
             if not held:
                 continue

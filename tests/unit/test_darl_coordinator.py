@@ -387,6 +387,31 @@ def test_an_early_lease_of_the_next_round_trains_beside_the_open_one_and_commits
     assert ahead["lease_id"] not in active(darl)
 
 
+def test_a_steal_leaves_a_fast_victim_what_it_trained_since_its_heartbeat(
+    darl: LiveCoordinator, tiny_data: Path
+) -> None:
+    """A holder hears of a steal only at its next heartbeat and trains on meanwhile: the
+    coordinator projects its progress from its step rate and the time since its last
+    heartbeat, and the victim keeps what that covers (a slow victim is stolen from as in
+    the test above). The projection goes into the ledger's event, so a replay agrees."""
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    big = lease(darl, "snellius", 14)
+    # H=4 steps of 0.05 s for a phase of 14 blocks: 70 blocks a second
+    darl.client("snellius").heartbeat(big["lease_id"], "snellius", 2, 0.05)
+    time.sleep(0.3)  # 21 blocks' worth since: more than the 12 it has left
+    reply = early(darl, "lumi", 4, round_no=1)
+    assert reply["lease"] is None and reply["reason"] == "pool_empty"
+    beat = darl.client("snellius").heartbeat(big["lease_id"], "snellius", 3, 0.05)
+    assert beat["lease"]["n_blocks"] == 14  # nothing was stolen
+    with sqlite3.connect(darl.state_dir / "state.sqlite") as conn:
+        (args,) = conn.execute(
+            "SELECT args FROM darl_events WHERE op = 'steal' ORDER BY seq DESC LIMIT 1"
+        ).fetchone()
+    assert json.loads(args)["ahead"] == {str(big["lease_id"]): 12}
+    assert ledger(darl)["lumi"]["blocks_granted"] == 0
+
+
 def test_an_early_lease_never_steals(darl: LiveCoordinator, tiny_data: Path) -> None:
     join(darl, "snellius", tiny_data)
     join(darl, "lumi", tiny_data)

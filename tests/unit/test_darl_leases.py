@@ -269,6 +269,23 @@ def test_steal_arithmetic(size, consumed, victim_keeps, thief_gets):
     assert (stats["t"].blocks_granted, stats["t"].steals, stats["t"].grants) == (thief_gets, 1, 1)
 
 
+def test_a_steal_leaves_the_victim_what_it_trained_unheard():
+    """``ahead``: blocks the coordinator judges a holder trained since its last heartbeat. The
+    victim keeps them as if reported; a lease whose projected rest is nil is not stolen from."""
+    book = book_with("v", "w", "t", n_blocks=30)
+    lv = book.grant("v", 20, 0.0, TTL, 0)  # consumed 2, 10 unheard: rest 20-12-1 = 7
+    lw = book.grant("w", 10, 0.0, TTL, 0)  # rest 10-0-1 = 9, the largest without ahead
+    book.heartbeat(lv.lease_id, "v", 2, 1.0)
+    stolen = book.steal("t", 1.5, TTL, 0, ahead={lv.lease_id: 10, lw.lease_id: 4})
+    # w's rest is now 10-4-1 = 5 and v's 7: v is the victim and keeps 2+10+1+3 = 16
+    assert (stolen.start, stolen.end) == (lv.start + 16, lv.end)
+    assert book.lease(lv.lease_id).end == lv.start + 16 and book.lease(lw.lease_id).end == lw.end
+    book = book_with("v", "t", n_blocks=8)
+    lv = book.grant("v", 8, 0.0, TTL, 0)
+    assert book.steal("t", 0.5, TTL, 0, ahead={lv.lease_id: 7}) is None  # nothing untouched
+    assert book.lease(lv.lease_id).end == 8 and book.site_stats()["t"].steals == 0
+
+
 def test_steal_takes_from_the_largest_untouched_rest():
     book = book_with("a", "b", "c", "t", n_blocks=30)
     la = book.grant("a", 12, 0.0, TTL, 0)  # rest 12-8-1 = 3

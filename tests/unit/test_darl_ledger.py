@@ -501,7 +501,9 @@ class LeaseModel(RuleBasedStateMachine):
     def steal(self, data, ttl, ahead):
         site = data.draw(st.sampled_from(self.live_sites()))
         round_no = self.round + ahead
-        args = dict(site=site, now=self.now, ttl_s=ttl, round_no=round_no)
+        # blocks the coordinator judges a holder trained unheard, keyed as the ledger keeps them
+        unheard = {str(i): data.draw(st.integers(0, 3)) for i in sorted(self.leases)}
+        args = dict(site=site, now=self.now, ttl_s=ttl, round_no=round_no, ahead=unheard)
         if not self.may_lease(site, round_no):
             return self.refused("already_holding", "steal", **args)
         if self.pool:
@@ -509,7 +511,8 @@ class LeaseModel(RuleBasedStateMachine):
         best, rest = None, 0
         for lease_id in sorted(self.leases):
             lease = self.leases[lease_id]
-            r = lease["end"] - lease["start"] - lease["consumed"] - 1
+            trained = lease["consumed"] + unheard.get(str(lease_id), 0)
+            r = lease["end"] - lease["start"] - trained - 1
             if lease["site"] != site and r > rest:  # never the thief's own other lease
                 best, rest = lease_id, r
         own = {i: (v["start"], v["end"]) for i, v in self.held(site)}
