@@ -43,6 +43,11 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
   et al. 2025, arXiv 2501.18512: theta <- alpha * theta + (1 - alpha) * merged, alpha from
   ``--overlap-alpha``, default 0.5).
 
+``--early-rounds N --early-h E`` makes the first N rounds E inner steps long and the rest H,
+over the same T steps and the same windows in the same order (post-local SGD, Lin et al.
+2020, arXiv 1808.07217: merge often while the model moves fastest, then rarely): a lever,
+not yet a workflow setting.
+
 ``--regime long`` (the default) is where users run: the workflow's H=25 over 40 rounds
 (1,000 steps) and the paper's H=100 over 20 (2,000 steps), about 0.7 and 1.3 epochs of the
 embedded corpus at B=4 (a lease past the end of the data continues with the next epoch's
@@ -150,27 +155,46 @@ LOSSLESS = Wire(torch.float32, torch.float32)
 
 
 def site_windows(
-    space: BlockSpace, sites: int, batch: int, steps: int, rounds: int
+    space: BlockSpace, sites: int, batch: int, steps: int | list[int], rounds: int
 ) -> list[list[list[int]]]:
     """Dataset windows per round and site: ``out[r][i]`` is site i's lease, in step order.
+    ``steps``: every round's inner steps, or a list of each round's (``round_lengths``).
 
     The windows follow DARL's epochs: the block permutation of epoch 0, then epoch 1's, and
     so on, as a run that outlasts one pass over the data leases them."""
-    per_site = batch * steps
-    need = per_site * sites * rounds
+    lengths = steps if isinstance(steps, list) else [steps] * rounds
+    if len(lengths) != rounds:
+        raise ValueError(f"{len(lengths)} round lengths for {rounds} rounds")
+    need = batch * sum(lengths) * sites
     order: list[int] = []
     epoch = 0
     while len(order) < need:
         order += [w for b in space.permutation(epoch) for w in space.block_windows(int(b))]
         epoch += 1
     out, cursor = [], 0
-    for _ in range(rounds):
+    for length in lengths:
+        per_site = batch * length
         leases = []
         for _ in range(sites):
             leases.append(order[cursor : cursor + per_site])
             cursor += per_site
         out.append(leases)
     return out
+
+
+def round_lengths(H: int, T: int, early_rounds: int = 0, early_h: int = 0) -> list[int]:
+    """Each round's inner steps over T optimiser steps: ``early_rounds`` rounds of
+    ``early_h`` steps first (more frequent merges while the model moves fastest), then
+    rounds of H."""
+    early = early_rounds * early_h if early_rounds else 0
+    if early_rounds and early_h < 1:
+        raise ValueError(f"--early-h must be >= 1 with --early-rounds, got {early_h}")
+    if early > T or (T - early) % H:
+        raise ValueError(
+            f"{early_rounds} early rounds of {early_h} steps leave {T - early} of {T} steps, "
+            f"not a whole number of rounds of H={H}"
+        )
+    return [early_h] * early_rounds + [H] * ((T - early) // H)
 
 
 def epochs_of(space: BlockSpace, windows: int) -> float:
@@ -473,9 +497,10 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) -> dict:
     """One data order and model seed at one H: every requested row, trained side by side."""
     S, B, T = args.sites, args.batch, args.steps_by_h[H]
-    R = T // H
+    lengths = round_lengths(H, T, args.early_rounds, args.early_h)
+    R = len(lengths)
     space = BlockSpace(store.n_windows, 16, seed=1234 + seed)
-    plan = site_windows(space, S, B, H, R)
+    plan = site_windows(space, S, B, lengths, R)
     schedule = LRSchedule(
         peak_lr=args.lr,
         warmup_steps=args.warmup_steps,
@@ -519,13 +544,14 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
             run.optimizers = [run.new_optimizer() for _ in run.optimizers]
     curves: dict[str, list[float]] = {name: [] for name in runs}
     every = args.eval_every or T
-    for r in range(R):
+    step = 0
+    for r, length in enumerate(lengths):
         leases = plan[r]
         together = [interleave(leases, B)]
         for run in unique:
-            run.round(together if len(run.optimizers) == 1 else leases, H)
-        step = (r + 1) * H
-        if step % every == 0 or r == R - 1:
+            run.round(together if len(run.optimizers) == 1 else leases, length)
+        evaluated, step = step // every, step + length
+        if step // every > evaluated or r == R - 1:
             for name, run in runs.items():
                 curves[name].append(run.perplexity(val, args.eval_windows))
             print(
@@ -621,6 +647,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--adam-every", type=int, default=1,
                         help="apply --adam-state at every K-th merge (default: each)")  # fmt: skip
+    parser.add_argument("--early-rounds", type=int, default=0,
+                        help="the first this many rounds merge every --early-h steps, the rest "
+                        "every H (the total steps unchanged)")  # fmt: skip
+    parser.add_argument("--early-h", type=int, default=0, help="inner steps of an early round")
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate every this many steps (0: at the end only)")  # fmt: skip
@@ -635,6 +665,13 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     args.inner_steps = list(args.steps_by_h)
+    try:
+        rounds_by_h = {
+            H: len(round_lengths(H, T, args.early_rounds, args.early_h))
+            for H, T in args.steps_by_h.items()
+        }
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         overlap = overlap_config(args)
         taus = {H: overlap_tau(args.overlap_delay, H) for H in args.inner_steps}
@@ -690,7 +727,7 @@ def main() -> None:
             rel = [f[name] / f["centralised"] for f in finals] if "centralised" in finals[0] else []
             m, sd = mean_std(ppl)
             cell = f"{mean_std(rel)[0]:.3f} ± {mean_std(rel)[1]:.3f}" if rel else "-"
-            print(f"| {H} | {args.steps_by_h[H] // H} | {name} | {m:.1f} ± {sd:.1f} | {cell} |")
+            print(f"| {H} | {rounds_by_h[H]} | {name} | {m:.1f} ± {sd:.1f} | {cell} |")
             summary[name] = {"mean": round(m, 3), "sd": round(sd, 3),
                              "seeds": [round(p, 3) for p in ppl]}  # fmt: skip
             if rel:
@@ -714,7 +751,7 @@ def main() -> None:
         print("|---|---|---|---|")
         for H, values in over_plain.items():
             m, sd = mean_std(values)
-            print(f"| {H} | {args.steps_by_h[H] // H} | {taus[H]} | {m:.4f} ± {sd:.4f} |")
+            print(f"| {H} | {rounds_by_h[H]} | {taus[H]} | {m:.4f} ± {sd:.4f} |")
     result = {
         "benchmark": "quality",
         "model": "tiny",
@@ -733,6 +770,9 @@ def main() -> None:
         "weight_decay": args.weight_decay,
         "adam_state": args.adam_state,
         "combined_denominator": args.combined_denominator,
+        "early_rounds": args.early_rounds,
+        "early_h": args.early_h,
+        "rounds": {str(H): n for H, n in rounds_by_h.items()},
         "outer_run": results[cells[0]]["outer_run"],
         "by_h": by_h,
         "curves": {f"H={H} seed={s}": v["curves"] for (H, s), v in results.items()},

@@ -20,6 +20,7 @@ from bench.quality import (
     overlap_tau,
     parse_outer,
     regime_steps,
+    round_lengths,
     site_windows,
 )
 from crossfed.darl.blockspace import BlockSpace
@@ -147,6 +148,21 @@ def test_leases_past_one_epoch_continue_with_the_next_epochs_permutation() -> No
     assert len(set(second)) == len(second) == 20  # epoch 1 starts: no window twice within it
     epoch1 = [w for b in space.permutation(1) for w in space.block_windows(int(b))]
     assert second == epoch1[:20]
+
+
+def test_early_rounds_merge_more_often_over_the_same_steps_and_windows() -> None:
+    assert round_lengths(25, 1000) == [25] * 40
+    assert round_lengths(25, 1000, early_rounds=20, early_h=5) == [5] * 20 + [25] * 36
+    for bad in ((7, 5), (3, 0)):  # 965 steps are no whole number of 25-step rounds; H 0
+        with pytest.raises(ValueError):
+            round_lengths(25, 1000, *bad)
+    space = BlockSpace(400, 4, seed=9)
+    plain = site_windows(space, sites=3, batch=2, steps=10, rounds=2)
+    early = site_windows(space, sites=3, batch=2, steps=[5, 5, 10], rounds=3)
+    # the same windows in the same order, cut into rounds of 5, 5 and 10 steps per site
+    flat = [w for leases in early for lease in leases for w in lease]
+    assert flat == [w for leases in plain for lease in leases for w in lease]
+    assert [len(lease) for leases in early for lease in leases] == [10] * 6 + [20] * 3
 
 
 def test_regimes_give_the_workflows_h_over_40_rounds_and_the_papers_over_20() -> None:
