@@ -36,8 +36,8 @@ accepted delta) judge the run. The last line printed is one JSON object:
     accepted delta, any site's for coordinator and disk faults)
 
 Run: ``python bench/soak.py`` (60 rounds of 100 inner steps, phases of about 10 s, about
-1,750 faults; about 31 minutes with the fault-free run) or ``--preset ci`` (10 rounds of 8 steps, 100-200 faults in
-about 3 minutes, no fault-free run: the test suite's).
+1,750 faults; about 31 minutes with the fault-free run) or ``--preset ci`` (10 rounds of 8
+steps, 100-200 faults in about 3 minutes, no fault-free run: the test suite's).
 """
 
 from __future__ import annotations
