@@ -203,7 +203,8 @@ class SoakProxy:
         self._ready.wait(10)
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
     def arm(self, kind: str | None) -> None:
@@ -222,6 +223,13 @@ class SoakProxy:
         self._loop.run_until_complete(asyncio.start_server(self._handle, HOST, self.port))
         self._ready.set()
         self._loop.run_forever()
+        # stopped: the connections' pumps and any replay still waiting end here, not when
+        # the interpreter collects them ("Task was destroyed but it is pending!")
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         c = self.config
