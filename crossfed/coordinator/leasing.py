@@ -265,10 +265,9 @@ class Leasing(Views):
         """When ``lease_id`` was last granted, renewed or taken over (None if unknown)."""
         assert self.book is not None
         try:
-            held = self.book.lease(lease_id)
+            return self.book.lease(lease_id).renewed_at
         except LeaseError:
             return None
-        return held.expires_at - held.ttl_s
 
     def _trained_unheard(self, thief: str, now: float) -> dict[str, int]:
         """Per live lease of another site (by id, as the ledger keeps it): the blocks its
@@ -288,8 +287,8 @@ class Leasing(Views):
             rate = self._step_rates.get(lease.site) or self.book.commit_rate(lease.site)
             if not rate:
                 continue
-            unheard_s = max(now - (lease.expires_at - lease.ttl_s), self._beat_gaps.get(
-                lease.lease_id, 0.0))  # fmt: skip
+            gap = self._beat_gaps.get(lease.lease_id, 0.0)
+            unheard_s = max(now - lease.renewed_at, gap)
             blocks = min(math.floor(rate * unheard_s), lease.n_blocks - lease.consumed)
             if blocks > 0:
                 ahead[str(lease.lease_id)] = blocks

@@ -99,6 +99,11 @@ class Lease:
     def n_blocks(self) -> int:
         return self.end - self.start
 
+    @property
+    def renewed_at(self) -> float:
+        """When the lease was last granted, renewed or taken over: its TTL runs from here."""
+        return self.expires_at - self.ttl_s
+
 
 @dataclass
 class CommitResult:
