@@ -36,7 +36,7 @@ accepted delta) judge the run. The last line printed is one JSON object:
     accepted delta, any site's for coordinator and disk faults)
 
 Run: ``python bench/soak.py`` (60 rounds of 100 inner steps, phases of about 10 s, about
-1,750 faults; about 31 minutes with the fault-free run) or ``--preset ci`` (10 rounds of 8
+1,750 faults; about 31 minutes with the fault-free run) or ``--preset ci`` (14 rounds of 8
 steps, 100-200 faults in about 3 minutes, no fault-free run: the test suite's).
 """
 
@@ -135,7 +135,7 @@ class SoakConfig:
 PRESETS = {
     "full": SoakConfig(),
     "ci": SoakConfig(
-        rounds=10,
+        rounds=14,
         documents=8,
         inner_steps=8,
         checkpoint_every=4,
