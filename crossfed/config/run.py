@@ -216,11 +216,16 @@ class CoordinatorSection(Section):
     max_request_s: float
 
 
+#: ``blobs.s3.merge_worker`` for a merge worker beside the embedded coordinator (the local
+#: profile starts it); otherwise the setting is a worker's URL
+EMBEDDED_WORKER = "embedded"
+
+
 @dataclass(frozen=True)
 class S3Section(Section):
     """The S3-compatible store of ``blobs.backend: s3``."""
 
-    ABSENT: ClassVar[tuple[str, ...]] = ("endpoint", "bucket")
+    ABSENT: ClassVar[tuple[str, ...]] = ("endpoint", "bucket", "merge_worker")
 
     endpoint: str | None
     bucket: str | None
@@ -228,6 +233,7 @@ class S3Section(Section):
     prefix: str
     url_expiry_s: float
     part_bytes: int
+    merge_worker: str | None
 
 
 @dataclass(frozen=True)

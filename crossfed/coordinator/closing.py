@@ -8,30 +8,20 @@ opens the next round, then prunes what retention no longer keeps.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import Any
 
 from crossfed import moments
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError
 from crossfed.coordinator.core import CoordinatorError, log
 from crossfed.coordinator.faults import crash_point
-from crossfed.coordinator.generations import Emit, merge_step, model_file_bytes, write_generation
+from crossfed.coordinator.merger import Written
 from crossfed.coordinator.rounds import close_decision, next_global_step
 from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences, resolve_outer
 from crossfed.coordinator.views import Views
-from crossfed.outer import OuterStepReport
-from crossfed.wire.codecs import decoded
-from crossfed.wire.tensors import TensorFile
 
 BLOB_GRACE_S = 3600.0  # an uploaded blob no delta refers to is deleted after this long
-_MODEL_FILE = re.compile(r"^(master|global)-(\d{6,})\.safetensors$")
-T = TypeVar("T")
 
 
 class Closing(Views):
@@ -45,24 +35,16 @@ class Closing(Views):
                 current = RunSpec.from_dict(existing)
                 return self._resume_run(current, resolve_outer(spec, current))
             spec = resolve_outer(spec, None)
-            # torchtitan is heavy: imported when a run is created
-            from crossfed.train.model import initial_parameters, parameter_shapes
-
-            # generation 0 is drawn one layer at a time (build_model's weights, bit for
-            # bit): creating a run needs no more memory than its largest layer
-            self.shapes = parameter_shapes(spec.flavour, vocab_size=spec.vocab_size)
-
-            def initial(emit: Emit) -> None:
-                drawn = initial_parameters(
-                    spec.flavour, vocab_size=spec.vocab_size, seed=spec.model_seed
-                )
-                for name, value in drawn:
-                    emit(name, value.float().contiguous(), None)
-
-            digest, _, _ = self._write_generation(0, initial, momentum=False)
+            written = self.merger.initial(
+                spec.flavour, spec.vocab_size, spec.model_seed, self._model_object(0)
+            )
+            self.shapes, digest = written.shapes, written.digest
+            self._published(0)
             now = self.clock()
             with store.Transaction(self.conn):
                 store.set_meta(self.conn, "global_digest:0", digest)
+                store.set_meta(self.conn, "global_bytes:0", written.model_bytes)
+                store.set_meta(self.conn, "shapes", [[k, list(v)] for k, v in self.shapes.items()])
                 store.set_meta(self.conn, "spec", spec.to_dict())
                 store.set_meta(self.conn, "generation", 0)
                 store.set_meta(self.conn, "global_step", 0)
@@ -170,77 +152,56 @@ class Closing(Views):
         assert self.spec is not None
         started = self.monotonic()
         generation = current["generation"] + 1
-        paths = self._delta_sources(deltas)
-        tokens = [d["tokens"] for d in deltas]
-
-        def step(emit: Emit) -> OuterStepReport:
-            return merge_step(
-                self._master_path(current["generation"]), self.shapes, paths, tokens, emit,
-                self.spec.outer,
-            )  # fmt: skip
-
-        extra = self._merged_moments(deltas, paths, tokens)
-        digest, report, checkpoint_s = self._write_generation(
-            generation, step, momentum=True, extra=extra
+        written = self.merger.merge(
+            current["generation"],
+            self.shapes,
+            self._delta_sources(deltas),
+            [d["tokens"] for d in deltas],
+            self.spec.outer,
+            shared_moments=self.spec.second_moment == moments.SHARED,
+            sites=[d["site"] for d in deltas],
+            model_object=self._model_object(generation),
         )
-        merge_s = self.monotonic() - started - checkpoint_s
+        self._published(generation)
+        merge_s = self.monotonic() - started - written.checkpoint_s
+        assert written.report is not None
         with self.lock:
-            return self._publish(current, deltas, reason, report, digest, merge_s, checkpoint_s)
+            return self._publish(current, deltas, reason, written, merge_s)
 
-    def _merged_moments(
-        self, deltas: list[dict], paths: list[Path | TensorFile], tokens: list[int]
-    ) -> dict[str, torch.Tensor]:
-        """The token-weighted mean of the second-moment factors the round's deltas carry,
-        for the global model (a run whose ``second_moment`` is ``shared``; else none). A
-        site's factors that do not fit the model are left out, and logged."""
-        assert self.spec is not None
-        if self.spec.second_moment != moments.SHARED:
-            return {}
+    def _model_object(self, generation: int) -> str | None:
+        """The object a generation's global model goes up to (None: the file store)."""
+        return None if self.s3 is None else self.s3.model_name(generation)
 
-        def read(path: Path | TensorFile) -> dict[str, torch.Tensor]:
-            if isinstance(path, TensorFile):  # an object: the merge closes it
-                return decoded(path).moments()
-            with TensorFile(path) as handle:
-                return decoded(handle).moments()
+    def _published(self, generation: int) -> None:
+        if self.s3 is not None:
+            self.s3.published(generation)
 
-        with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:  # round trips overlap
-            read_back = list(pool.map(read, paths))
-        sent: list[dict[str, torch.Tensor]] = []
-        for delta, factors in zip(deltas, read_back, strict=True):
-            wrong = moments.problem(factors, self.shapes)
-            if wrong:
-                log.warning("second-moment factors of site %s left out: %s", delta["site"], wrong)
-                factors = {}
-            sent.append(factors)
-        return moments.merge(sent, tokens)
-
-    def _delta_sources(self, deltas: list[dict[str, Any]]) -> list[Path | TensorFile]:
-        """Where the merge reads the accepted deltas: their files, or their objects in
-        ranges (opened side by side)."""
+    def _delta_sources(self, deltas: list[dict[str, Any]]) -> list[Path | str]:
+        """Where the merge reads the accepted deltas: their files, or their objects by name."""
         if self.s3 is None:
             return [self.blobs.path(delta["blob"]) for delta in deltas]
-        refs = []
+        names: list[Path | str] = []
         for delta in deltas:
             owner = self.s3.owner_for(delta["blob"], delta["site"])
             if owner is None:
                 raise CoordinatorError(
                     500, "missing_object", f"accepted delta {delta['blob']} has no stored object"
                 )
-            refs.append((delta["blob"], owner))
-        return list(self.s3.open_many(refs))
+            names.append(self.s3.blob_name(delta["blob"], owner))
+        return names
 
     def _publish(
         self,
         current: dict,
         deltas: list[dict],
         reason: str,
-        report: OuterStepReport,
-        digest: str,
+        written: Written,
         merge_s: float,
-        checkpoint_s: float,
     ) -> dict[str, Any]:
         """Commit generation g+1 (its files are in place) and open the next round."""
         generation = current["generation"] + 1
+        report, digest, checkpoint_s = written.report, written.digest, written.checkpoint_s
+        assert report is not None
         assert self.spec is not None and self.book is not None
         steps = [d["steps"] for d in deltas]
         global_step = next_global_step(current["global_step"], steps, self.spec.inner_steps)
@@ -262,6 +223,7 @@ class Closing(Views):
         with store.Transaction(self.conn):
             store.close_round(self.conn, current["round_no"], now, reason, summary)
             store.set_meta(self.conn, f"global_digest:{generation}", digest)
+            store.set_meta(self.conn, f"global_bytes:{generation}", written.model_bytes)
             store.set_meta(self.conn, "generation", generation)
             store.set_meta(self.conn, "global_step", global_step)
             store.open_round(self.conn, following, generation, now, global_step)
@@ -281,44 +243,6 @@ class Closing(Views):
         )
         return summary
 
-    def _write_generation(
-        self,
-        generation: int,
-        fill: Callable[[Emit], T],
-        *,
-        momentum: bool,
-        extra: dict[str, torch.Tensor] | None = None,
-    ) -> tuple[str, T, float]:
-        """Generation ``generation``'s files, written as ``fill`` produces its tensors
-        (:func:`crossfed.coordinator.generations.write_generation`; ``extra``: the merged
-        second-moment factors, at the end of the global model); with an object store the
-        global model goes up there part by part as it is written, and is stored whole before
-        the generation is published (a failed merge leaves no object)."""
-        upload = None
-        if self.s3 is not None:
-            size = model_file_bytes(self.shapes, generation, extra)
-            upload = self.s3.model_upload(generation, size)
-        try:
-            written = write_generation(
-                self._master_path(generation),
-                self._model_file(generation),
-                self.shapes,
-                generation,
-                fill,
-                momentum=momentum,
-                extra=extra,
-                model_progress=None if upload is None else upload.written,
-            )
-            if upload is not None:
-                upload.finish()
-        except BaseException:
-            if upload is not None:
-                upload.abort()
-            raise
-        if self.s3 is not None:
-            self.s3.published(generation)
-        return written
-
     def _retain(self, generation: int, closed_round: int) -> None:
         """Retention once generation ``generation`` is committed: keep the last
         ``keep_generations`` generations' masters and ``keep_models`` generations' global
@@ -331,15 +255,7 @@ class Closing(Views):
         }
         if self.keep_models > 0:
             oldest["global"] = min(oldest["global"], oldest["master"])
-        for path in self.models_dir.iterdir():
-            match = _MODEL_FILE.match(path.name)
-            if match is not None:
-                kind, generation_of = match.group(1), int(match.group(2))
-                replay_start = self.keep_deltas and (kind, generation_of) == ("master", 0)
-                if generation_of < oldest[kind] and not replay_start:
-                    path.unlink(missing_ok=True)
-            elif path.name.startswith(".") and path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)  # left by a killed write (this merge is the only one)
+        self.merger.retain(oldest["master"], oldest["global"], self.keep_deltas)
         merged, pending = store.delta_blobs(self.conn, closed_round)
         if self.keep_deltas:
             merged, pending = [], [*merged, *pending]

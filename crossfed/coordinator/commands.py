@@ -36,15 +36,18 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from crossfed.coordinator.app import KEEP_ALIVE_S, Tokens, create_app
+    from crossfed.coordinator.blobs import BlobError
     from crossfed.coordinator.objectstore import ObjectStoreConfigError, open_object_store
     from crossfed.coordinator.service import Coordinator
     from crossfed.wire.libc import keep_stream_buffers_in_heap
 
     keep_stream_buffers_in_heap()
     every = args.ledger_checkpoint_every
+    tokens = Tokens.load(Path(args.secrets))
     try:
         objects = open_object_store(args.blobs, Path(args.secrets)) if args.blobs else None
-    except ObjectStoreConfigError as exc:
+        merger = _merge_worker(args, objects, tokens.admin)
+    except (ObjectStoreConfigError, BlobError) as exc:
         print(f"crossfed coordinator serve: {exc}", file=sys.stderr)
         return 2
     coordinator = Coordinator(
@@ -52,9 +55,10 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         keep_models=args.keep_models,
         keep_deltas=args.keep_deltas,
         objects=objects,
+        merger=merger,
         **({} if every is None else {"ledger_checkpoint_every": every}),
     )
-    app = create_app(coordinator, Tokens.load(Path(args.secrets)), max_request_s=args.max_request_s)
+    app = create_app(coordinator, tokens, max_request_s=args.max_request_s)
     ssl = {}
     if args.ssl_certfile:
         ssl = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
@@ -66,6 +70,66 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=KEEP_ALIVE_S,
         **ssl,
     )
+    return 0
+
+
+def _merge_worker(args: argparse.Namespace, objects: Any, admin_token: str) -> Any:
+    """The merge worker the coordinator hands its byte-heavy work to (``--merge-worker``, else
+    the blobs section's ``s3.merge_worker``), checked to answer; None: it does that work
+    itself."""
+    from crossfed.config.run import EMBEDDED_WORKER
+    from crossfed.coordinator.merger import RemoteMerger
+    from crossfed.coordinator.objectstore import (
+        ObjectStoreConfigError,
+        load_blobs_section,
+        merge_worker_of,
+    )
+
+    url = args.merge_worker
+    if url is None and args.blobs:
+        url = merge_worker_of(load_blobs_section(Path(args.blobs)))
+    if url is None:
+        return None
+    if objects is None:
+        raise ObjectStoreConfigError(
+            "a merge worker reads deltas from the object store: it needs blobs.backend: s3"
+        )
+    if url == EMBEDDED_WORKER:
+        raise ObjectStoreConfigError(
+            "blobs.s3.merge_worker: embedded is started by the local profile's embedded "
+            "coordinator; beside a coordinator on a VM, start 'crossfed coordinator worker' "
+            "near the store and name its URL (blobs.s3.merge_worker or --merge-worker)"
+        )
+    merger = RemoteMerger(url, admin_token, retry_budget_s=15.0)
+    merger.health()
+    return merger
+
+
+def cmd_coordinator_worker(args: argparse.Namespace) -> int:
+    """Serve a merge worker beside the object store (the coordinator's reads and writes of
+    deltas and models, docs/objectstore.md)."""
+    import uvicorn
+
+    from crossfed.coordinator.app import Tokens
+    from crossfed.coordinator.merger import LocalMerger
+    from crossfed.coordinator.objectstore import ObjectStoreConfigError, open_object_store
+    from crossfed.coordinator.worker import create_worker_app
+
+    try:
+        objects = open_object_store(args.blobs, Path(args.secrets))
+        if objects is None:
+            raise ObjectStoreConfigError(
+                f"{args.blobs}: blobs.backend is file; a merge worker serves blobs.backend: s3"
+            )
+    except ObjectStoreConfigError as exc:
+        print(f"crossfed coordinator worker: {exc}", file=sys.stderr)
+        return 2
+    merger = LocalMerger(Path(args.state_dir) / "models", objects)
+    app = create_worker_app(merger, Tokens.load(Path(args.secrets)).admin)
+    ssl = {}
+    if args.ssl_certfile:
+        ssl = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **ssl)
     return 0
 
 
@@ -411,7 +475,7 @@ def _site_name(text: str) -> str:
 
 
 def add_coordinator(sub: argparse._SubParsersAction) -> None:
-    """Register ``coordinator serve|start|stop|secrets`` on the crossfed parser."""
+    """Register ``coordinator serve|worker|start|stop|secrets`` on the crossfed parser."""
     csub = group(
         sub, "coordinator", "run the coordinator, start or stop the embedded one, write secrets",
         "crossfed coordinator secrets --out secrets.yaml --site lumi --site snellius",
@@ -474,9 +538,48 @@ def add_coordinator(sub: argparse._SubParsersAction) -> None:
         "config, or the section alone): 'backend: s3' and its 's3' settings put them in an "
         "S3-compatible store (docs/objectstore.md); default: the state directory",
     )
+    serve.add_argument(
+        "--merge-worker",
+        metavar="URL",
+        help="hand the reads and writes of deltas and models to the merge worker at URL "
+        "(crossfed coordinator worker, beside the object store); default: the blobs "
+        "section's s3.merge_worker, else this process does them",
+    )
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
     serve.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
     serve.set_defaults(func=cmd_coordinator_serve)
+    worker = csub.add_parser(
+        "worker",
+        help="serve a merge worker beside the object store (foreground)",
+        description="Serve a merge worker: beside an S3-compatible store, it reads uploaded "
+        "deltas back,\nmerges each round into the next generation and writes the global "
+        "model to the store,\nso that no delta or model byte passes through the "
+        "coordinator (docs/objectstore.md).",
+        epilog=examples(
+            "crossfed coordinator worker --state-dir worker --secrets secrets.yaml \\",
+            "    --blobs config/config.yaml --host 0.0.0.0 --port 8471",
+        ),
+    )
+    worker.add_argument(
+        "--state-dir", required=True, help="the run's fp32 master and momentum live here"
+    )
+    worker.add_argument(
+        "--secrets",
+        required=True,
+        help="the coordinator's secrets file: its 'admin' token is the only one accepted "
+        "(and its 's3' mapping the store's key, unless AWS_ACCESS_KEY_ID is set)",
+    )
+    worker.add_argument(
+        "--blobs",
+        required=True,
+        metavar="YAML",
+        help="a file with the run's 'blobs' section (backend: s3 and its store)",
+    )
+    worker.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    worker.add_argument("--port", type=int, default=8471, help="TCP port to listen on")
+    worker.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    worker.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
+    worker.set_defaults(func=cmd_coordinator_worker)
     for name, func, text in (
         ("start", cmd_coordinator_start, "start the embedded coordinator on loopback"),
         ("stop", cmd_coordinator_stop, "stop the embedded coordinator"),

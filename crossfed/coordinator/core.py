@@ -23,7 +23,8 @@ import torch
 
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobStore
-from crossfed.coordinator.generations import StateView, read_shapes
+from crossfed.coordinator.generations import StateView
+from crossfed.coordinator.merger import LocalMerger, Merger
 from crossfed.coordinator.objectstore import ObjectStore
 from crossfed.coordinator.runspec import RunSpec
 from crossfed.coordinator.s3blobs import ObjectBlobs
@@ -77,6 +78,7 @@ class Core:
         ledger_checkpoint_every: int = CHECKPOINT_EVERY,
         merge_holds_lock: bool | None = None,
         objects: ObjectStore | None = None,
+        merger: Merger | None = None,
     ) -> None:
         """``clock`` stamps leases, rounds and sites; ``monotonic`` times durations (RTT
         samples, the merge): ``time.perf_counter`` with the real clock, else ``clock``
@@ -105,11 +107,15 @@ class Core:
         self.lock = threading.RLock()
         self.conn = store.connect(state_dir / "state.sqlite")
         self.blobs = BlobStore(state_dir / "blobs")
+        self.models_dir = state_dir / "models"
+        #: where generations are written and uploads checked: here, or a merge worker
+        self.merger: Merger = merger or LocalMerger(self.models_dir, objects)
         #: the object store's blobs and global models (None: the file store, ``self.blobs``)
         self.s3 = None
         if objects is not None:
-            self.s3 = ObjectBlobs(objects, self.conn, self.lock, lambda: self.shapes or None)
-        self.models_dir = state_dir / "models"
+            self.s3 = ObjectBlobs(
+                objects, self.conn, self.lock, lambda: self.shapes or None, self.merger.check
+            )
         self.ledger = LedgerStore(self.conn)
         self.spec: RunSpec | None = None
         self.space: BlockSpace | None = None
@@ -174,7 +180,11 @@ class Core:
         """The last committed generation and its master's tensor names and shapes (read
         from its file's header: the tensors themselves stay on disk until a merge)."""
         generation = store.get_meta(self.conn, "generation", 0)
-        self.shapes = read_shapes(self._master_path(generation))
+        shapes = store.get_meta(self.conn, "shapes")  # None: a run from before it was stored
+        if shapes is None:
+            self.shapes = self.merger.shapes(generation)
+        else:
+            self.shapes = {str(name): tuple(shape) for name, shape in shapes}
         self.generation = generation
         self.open_round_no = self.current_round()["round_no"]
         return generation
@@ -279,7 +289,20 @@ class Core:
         return path, digest
 
     def model_download(self, generation: int) -> dict[str, Any]:
-        """A presigned URL of generation ``generation``'s global model (object store only)."""
-        path, digest = self.global_file(generation)
+        """A presigned URL of generation ``generation``'s global model (object store only;
+        a merge worker keeps no copy of it on this VM)."""
         assert self.s3 is not None
-        return self.s3.model(generation, path, digest)
+        digest = store.get_meta(self.conn, f"global_digest:{generation}")
+        if generation > store.get_meta(self.conn, "generation", 0) or digest is None:
+            _, digest = self.global_file(generation)  # 404, or a run from before digests
+        return self.s3.model(generation, self._model_file(generation), digest)
+
+    def model_bytes(self, generation: int) -> int | None:
+        """The size of a committed generation's global model (None: not at hand)."""
+        size = store.get_meta(self.conn, f"global_bytes:{generation}")
+        if size is not None:
+            return int(size)
+        try:
+            return self._model_file(generation).stat().st_size
+        except FileNotFoundError:
+            return None

@@ -20,6 +20,7 @@ import yaml
 
 from crossfed.backoff import Backoff
 from crossfed.client.reach import ENDPOINT, EndpointError
+from crossfed.config.run import EMBEDDED_WORKER
 from crossfed.fileio import write_atomic
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 
 #: the run's ``blobs`` section, for an embedded coordinator that keeps them elsewhere
 BLOBS = "blobs.yaml"
+#: where the merge worker beside an embedded coordinator keeps its state (``merge_worker:
+#: embedded``), under the coordinator's state dir
+WORKER_DIR = "worker"
 
 
 def ensure_secrets(path: Path, sites: list[str]) -> dict[str, Any]:
@@ -70,10 +74,18 @@ def spawn_coordinator(
     max_request_s: float | None = None,
     ledger_checkpoint_every: int | None = None,
     blobs: Path | None = None,
+    merge_worker: str | None = None,
 ) -> subprocess.Popen:
     """Start ``crossfed coordinator serve`` in its own session and wait until it answers."""
     proc = launch_coordinator(
-        state_dir, secrets_path, host, port, max_request_s, ledger_checkpoint_every, blobs
+        state_dir,
+        secrets_path,
+        host,
+        port,
+        max_request_s,
+        ledger_checkpoint_every,
+        blobs,
+        merge_worker,
     )
     wait_until_serving(proc, state_dir, host, port, timeout_s)
     return proc
@@ -87,9 +99,11 @@ def launch_coordinator(
     max_request_s: float | None = None,
     ledger_checkpoint_every: int | None = None,
     blobs: Path | None = None,
+    merge_worker: str | None = None,
 ) -> subprocess.Popen:
     """Start ``crossfed coordinator serve`` in its own session; do not wait for it.
-    ``blobs``: a YAML file with the run's ``blobs`` section (``--blobs``)."""
+    ``blobs``: a YAML file with the run's ``blobs`` section (``--blobs``); ``merge_worker``:
+    the URL of a merge worker (``--merge-worker``)."""
     cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve"]
     cmd += ["--state-dir", str(state_dir), "--secrets", str(secrets_path)]
     cmd += ["--host", host, "--port", str(port)]
@@ -99,7 +113,34 @@ def launch_coordinator(
         cmd += ["--ledger-checkpoint-every", str(ledger_checkpoint_every)]
     if blobs is not None:
         cmd += ["--blobs", str(blobs)]
-    with open(state_dir / "coordinator.log", "ab") as log:
+    if merge_worker is not None:
+        cmd += ["--merge-worker", merge_worker]
+    return _launch(cmd, state_dir / "coordinator.log")
+
+
+def spawn_worker(
+    worker_dir: Path,
+    secrets_path: Path,
+    blobs: Path,
+    host: str,
+    timeout_s: float = 60.0,
+    port: int | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Start ``crossfed coordinator worker`` (state and log in ``worker_dir``) in its own
+    session on ``port`` of ``host`` (default: a free one) and wait until it answers; the
+    process and its URL."""
+    worker_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "crossfed", "coordinator", "worker"]
+    cmd += ["--state-dir", str(worker_dir), "--secrets", str(secrets_path)]
+    cmd += ["--blobs", str(blobs), "--host", host, "--port", str(port)]
+    proc = _launch(cmd, worker_dir / "worker.log")
+    wait_until_serving(proc, worker_dir, host, port, timeout_s, role="worker")
+    return proc, f"http://{host}:{port}"
+
+
+def _launch(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
         return subprocess.Popen(
             cmd,
             stdout=log,
@@ -117,21 +158,23 @@ def wait_until_serving(
     timeout_s: float,
     scheme: str = "http",
     verify: ssl.SSLContext | bool = True,
+    role: str = "coordinator",
 ) -> None:
     """Poll ``/v1/health`` until ``proc`` itself answers; kill it if it never does.
+    ``role``: what ``proc`` serves (its log is ``state_dir / f"{role}.log"``).
 
     An answer from another process (one that took ``port`` while ``proc`` was starting, e.g. a
     coordinator of a test running at the same time) is not taken for ``proc``'s: ``proc``
     then fails to bind and exits, which raises ``EndpointError``. With ``scheme="https"``
     the certificate must be trusted (``SSL_CERT_FILE``, or the context ``verify``).
     """
-    log_path = state_dir / "coordinator.log"
+    log_path = state_dir / f"{role}.log"
     url = f"{scheme}://{host}:{port}"
     backoff = Backoff(0.2, 0.2, budget_s=timeout_s)
     while True:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-2000:]
-            raise EndpointError(f"coordinator exited with {proc.returncode}; {log_path}:\n{tail}")
+            raise EndpointError(f"{role} exited with {proc.returncode}; {log_path}:\n{tail}")
         try:
             answer = httpx.get(f"{url}/v1/health", timeout=2, verify=verify)
             if answer.status_code == 200 and answer.json().get("pid") == proc.pid:
@@ -141,7 +184,7 @@ def wait_until_serving(
         if not backoff.wait():
             break
     proc.kill()
-    raise EndpointError(f"coordinator did not answer on {url} within {timeout_s}s; see {log_path}")
+    raise EndpointError(f"{role} did not answer on {url} within {timeout_s}s; see {log_path}")
 
 
 def start_embedded(config: RunConfig, sites: list[str], timeout_s: float = 120.0) -> str:
@@ -156,14 +199,33 @@ def start_embedded(config: RunConfig, sites: list[str], timeout_s: float = 120.0
     port = coordinator.port or free_port(host)
     max_request_s = coordinator.max_request_s
     blobs = None
+    worker: subprocess.Popen | None = None
+    worker_url = None
     if config.blobs.backend != "file":
         blobs = state_dir / BLOBS
         write_atomic(blobs, yaml.safe_dump({"blobs": config.blobs.as_dict()}), mode=0o600)
-    proc = spawn_coordinator(
-        state_dir, secrets_path, host, port, timeout_s, max_request_s, blobs=blobs
-    )
+        if config.blobs.s3.merge_worker == EMBEDDED_WORKER:
+            worker, worker_url = spawn_worker(state_dir / WORKER_DIR, secrets_path, blobs, host)
+    try:
+        proc = spawn_coordinator(
+            state_dir,
+            secrets_path,
+            host,
+            port,
+            timeout_s,
+            max_request_s,
+            blobs=blobs,
+            merge_worker=worker_url,
+        )
+    except BaseException:
+        if worker is not None:
+            _stop(worker.pid, 20.0)
+        raise
     url = f"http://{host}:{port}"
-    (state_dir / ENDPOINT).write_text(json.dumps({"url": url, "pid": proc.pid}))
+    endpoint = {"url": url, "pid": proc.pid}
+    if worker is not None:
+        endpoint["worker_pid"] = worker.pid
+    (state_dir / ENDPOINT).write_text(json.dumps(endpoint))
     return url
 
 
@@ -172,8 +234,15 @@ def stop_embedded(config: RunConfig, timeout_s: float = 20.0) -> bool:
     endpoint = Path(config.coordinator.state_dir) / ENDPOINT
     if not endpoint.exists():
         return False
-    pid = json.loads(endpoint.read_text()).get("pid")
+    recorded = json.loads(endpoint.read_text())
     endpoint.unlink(missing_ok=True)
+    stopped = _stop(recorded.get("pid"), timeout_s)
+    _stop(recorded.get("worker_pid"), timeout_s)  # after the coordinator: it may be merging
+    return stopped
+
+
+def _stop(pid: int | None, timeout_s: float) -> bool:
+    """SIGTERM ``pid``, then SIGKILL if it outlives ``timeout_s``; True if it was running."""
     if not pid or not _alive(pid):
         return False
     os.kill(pid, signal.SIGTERM)

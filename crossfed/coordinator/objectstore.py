@@ -34,6 +34,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from crossfed.config.run import EMBEDDED_WORKER
 from crossfed.coordinator.blobs import BlobError
 from crossfed.wire.digests import new_hasher
 from crossfed.wire.tensors import TensorFile
@@ -51,6 +52,10 @@ STRIPE_BYTES = 16 << 20
 #: header of a few hundred tensors (a model's, its factors' included) fits
 HEAD_BYTES = 64 << 10
 BACKENDS = ("file", "s3")
+
+
+#: the ``blobs.s3`` key naming a merge worker
+MERGE_WORKER = "merge_worker"
 
 
 class ObjectStoreError(BlobError):
@@ -96,6 +101,20 @@ def backend_of(blobs: Mapping[str, Any] | None) -> str:
     return backend
 
 
+def merge_worker_of(blobs: Mapping[str, Any]) -> str | None:
+    """``blobs.s3.merge_worker``: a merge worker's URL, :data:`EMBEDDED_WORKER`, or None."""
+    value = (blobs.get("s3") or {}).get(MERGE_WORKER) if backend_of(blobs) == "s3" else None
+    if value is None:
+        return None
+    text = str(value).rstrip("/")
+    if text != EMBEDDED_WORKER and not text.startswith(("http://", "https://")):
+        raise ObjectStoreConfigError(
+            f"blobs.s3.{MERGE_WORKER} must be a URL (https://host:port) or "
+            f"'{EMBEDDED_WORKER}', got {value!r}"
+        )
+    return text
+
+
 def load_blobs_section(path: Path) -> dict[str, Any]:
     """The ``blobs`` section of a YAML file: a run config holding one, or the section alone."""
     try:
@@ -121,7 +140,7 @@ def s3_settings(
     options = blobs.get("s3") or {}
     if not isinstance(options, Mapping):
         raise ObjectStoreConfigError("blobs.s3 must be a mapping")
-    known = {"endpoint", "bucket", "region", "prefix", "url_expiry_s", "part_bytes"}
+    known = {"endpoint", "bucket", "region", "prefix", "url_expiry_s", "part_bytes", MERGE_WORKER}
     if unknown := sorted(set(options) - known):
         raise ObjectStoreConfigError(f"blobs.s3 has unknown keys {unknown}; known: {sorted(known)}")
     key_id = environ.get("AWS_ACCESS_KEY_ID")

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,34 @@ from crossfed.coordinator.blobs import BlobError, check_key
 from crossfed.coordinator.deltacheck import StreamingDeltaCheck
 from crossfed.coordinator.objectstore import ModelUpload, ObjectStore, ObjectTensorFile
 from crossfed.wire.digests import parse_digest
+
+#: reads an uploaded object back: (name, algo, size, the run's shapes or None) -> Checked
+CheckObject = Callable[[str, str, int, Mapping[str, tuple[int, ...]] | None], "Checked"]
+
+
+@dataclass
+class Checked:
+    """An uploaded object read back: its digest, its size, and whether it passed the
+    streaming delta check (names, shapes, dtypes, finite values)."""
+
+    digest: str
+    size: int
+    passed: bool
+
+
+def check_object(
+    objects: ObjectStore,
+    name: str,
+    algo: str,
+    size: int,
+    shapes: Mapping[str, tuple[int, ...]] | None,
+) -> Checked:
+    """Object ``name`` of ``size`` bytes read back (ranges side by side, hashed in order):
+    its ``algo`` digest and, with the run's ``shapes``, the delta check in the same pass."""
+    check = StreamingDeltaCheck(shapes) if shapes else None
+    digest, got = objects.digest(name, algo, None if check is None else check.feed, size)
+    return Checked(digest, got, check is not None and check.passed)
+
 
 log = logging.getLogger("crossfed.coordinator")
 
@@ -39,10 +68,14 @@ class ObjectBlobs:
         conn: sqlite3.Connection,
         lock: threading.RLock,
         shapes: Callable[[], Mapping[str, tuple[int, ...]] | None] = lambda: None,
+        check: CheckObject | None = None,
     ) -> None:
         """``shapes``: the run's master tensors (None before a run), for the delta check
-        made while an upload is hashed."""
+        made while an upload is hashed; ``check``: what reads an upload back for its digest
+        and that check (:meth:`crossfed.coordinator.merger.LocalMerger.check`, this
+        process; or a merge worker's, beside the store)."""
         self.objects, self.conn, self.lock, self.shapes = objects, conn, lock, shapes
+        self.check = check or self._check_here
         self._completing: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._published: set[int] = set()
@@ -127,10 +160,8 @@ class ObjectBlobs:
                     "unknown_upload",
                 )
             shapes = self.shapes()
-            check = StreamingDeltaCheck(shapes) if shapes else None
-            actual, got = self.objects.digest(
-                name, parse_digest(key)[0], None if check is None else check.feed, joined
-            )
+            checked = self.check(name, parse_digest(key)[0], joined, dict(shapes or {}) or None)
+            actual, got = checked.digest, checked.size
             if actual != key:
                 self.objects.delete(name)
                 raise BlobError(
@@ -141,9 +172,14 @@ class ObjectBlobs:
                 )
             with self.lock, store.Transaction(self.conn):
                 store.add_stored_object(self.conn, key, owner, got)
-                if check is not None and check.passed:
+                if checked.passed:
                     store.add_checked_object(self.conn, key, owner)
         return {"key": key, "complete": True, "bytes": got}
+
+    def _check_here(
+        self, name: str, algo: str, size: int, shapes: Mapping[str, tuple[int, ...]] | None
+    ) -> Checked:
+        return check_object(self.objects, name, algo, size, shapes)
 
     def checked(self, key: str, owner: str) -> bool:
         """Whether ``owner``'s object of ``key`` passed the delta check when it was hashed."""
@@ -191,13 +227,14 @@ class ObjectBlobs:
         """A presigned GET of a global model, written to the store first if it is not there
         yet (the coordinator stopped between writing it and publishing it)."""
         name = self.model_name(generation)
-        size = path.stat().st_size if path.exists() else None
+        size = path.stat().st_size if path.exists() else None  # None: a merge worker's
         if generation not in self._published:
             stored = self.objects.size(name)
-            if stored is None or stored != size:
+            if stored is None or (size is not None and stored != size):
                 if size is None:
                     raise BlobError(f"no global model for generation {generation}", 404)
                 self.objects.put_file(path, name)
+            size = stored if size is None else size
             self._published.add(generation)
         return {
             "generation": generation,

@@ -51,11 +51,8 @@ class Views(Core):
         digest = store.get_meta(self.conn, f"global_digest:{generation}")
         if digest is None:
             return None
-        try:
-            size = self._model_file(generation).stat().st_size
-            return {"generation": generation, "bytes": size, "digest": digest}
-        except FileNotFoundError:
-            return None
+        size = self.model_bytes(generation)
+        return None if size is None else {"generation": generation, "bytes": size, "digest": digest}
 
     def _lease_view(self, lease: Lease) -> dict[str, Any]:
         assert self.space is not None

@@ -87,13 +87,13 @@ def test_the_merge_holds_the_lock_only_when_told_to(
     )  # fmt: skip
     assert accepted["accepted"]
     during: list[bool] = []
-    write = coordinator._write_generation
+    merge = coordinator.merger.merge
 
-    def probing(generation, fill, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    def probing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         during.append(lock_free(coordinator.lock))  # the merge is about to read and write
-        return write(generation, fill, **kwargs)
+        return merge(*args, **kwargs)
 
-    coordinator._write_generation = probing  # type: ignore[method-assign]
+    coordinator.merger.merge = probing  # type: ignore[method-assign]
     clock.now += 60.0  # past the join window
     report = coordinator.tick()
     assert report is not None and report["round"] == 1 and report["generation"] == 1

@@ -1,0 +1,224 @@
+"""The merge worker (``crossfed coordinator worker``, ``blobs.s3.merge_worker``) beside a real
+SeaweedFS, with a real coordinator process: the coordinator stays the authority, and no delta
+or model byte passes through its process."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator, spawn_worker
+from crossfed.coordinator.merger import LocalMerger
+from crossfed.coordinator.runspec import RunSpec
+from crossfed.wire.digests import digest_file
+from tests.conftest import LiveCoordinator, stop, tiny_spec
+from tests.helpers.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS
+from tests.unit.test_coordinator_http import (
+    delta_file,
+    global_model,
+    join_and_lease,
+    wait_round_closed,
+)
+from tests.unit.test_objectstore import PART, fields
+
+SITES = ["lumi", "snellius"]
+
+
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    server = SeaweedFS(tmp_path_factory.mktemp("weed")).start()
+    yield server
+    server.stop()
+
+
+class WorkerRun:
+    """A coordinator that hands its store work to a merge worker, both real processes."""
+
+    def __init__(self, weed: SeaweedFS, root: Path) -> None:
+        self.root = root
+        state = root / "coordinator"
+        state.mkdir(parents=True)
+        self.secrets_path = state / "secrets.yaml"
+        secrets = ensure_secrets(self.secrets_path, ["lumi", "snellius", "frontier"])
+        secrets["s3"] = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY}
+        self.secrets_path.write_text(yaml.safe_dump(secrets))
+        blobs = weed.blobs_config(prefix=f"{root.name}/")
+        blobs["s3"]["part_bytes"] = PART
+        self.blobs = state / "blobs.yaml"
+        self.blobs.write_text(yaml.safe_dump({"blobs": blobs}))
+        self.worker_dir = root / "worker"
+        self.worker, self.worker_url = spawn_worker(
+            self.worker_dir, self.secrets_path, self.blobs, "127.0.0.1"
+        )
+        port = free_port("127.0.0.1")
+        proc = spawn_coordinator(
+            state, self.secrets_path, "127.0.0.1", port, 240, blobs=self.blobs,
+            merge_worker=self.worker_url,
+        )  # fmt: skip
+        self.live = LiveCoordinator(f"http://127.0.0.1:{port}", state, secrets, proc, port)
+
+    def restart_worker(self) -> None:
+        """The worker again, on its port and its state dir (the coordinator knows its URL)."""
+        port = int(self.worker_url.rsplit(":", 1)[1])
+        self.worker, _ = spawn_worker(
+            self.worker_dir, self.secrets_path, self.blobs, "127.0.0.1", port=port
+        )
+
+    def close(self) -> None:
+        stop(self.live.process)
+        stop(self.worker)
+
+
+@pytest.fixture
+def worker_run(weed: SeaweedFS, tmp_path: Path, tiny_data: Path) -> Iterator[WorkerRun]:
+    run = WorkerRun(weed, tmp_path / f"w{free_port('127.0.0.1')}")
+    run.live.client().init_run(tiny_spec(tiny_data).to_dict())
+    yield run
+    run.close()
+
+
+def moved(live: LiveCoordinator) -> tuple[int, int]:
+    counts = live.client().http.get("/v1/admin/http").json()
+    return counts["store_bytes_read"], counts["store_bytes_written"]
+
+
+def test_a_round_moves_no_delta_or_model_byte_through_the_coordinator(
+    worker_run: WorkerRun, weed: SeaweedFS, tiny_data: Path, tmp_path: Path
+) -> None:
+    """Two sites' deltas go up, the worker reads them back, merges them into generation 1
+    and writes its global model to the store; the coordinator's process reads and writes
+    no byte of the store, keeps no model on its disk, and the worker's generation is the
+    one the coordinator's own merge makes from the same deltas, byte for byte."""
+    live = worker_run.live
+    reference = global_model(live, 0, tmp_path)
+    deltas = {}
+    for i, site in enumerate(SITES):
+        lease = join_and_lease(live, site, tiny_data)
+        deltas[site] = delta_file(tmp_path, reference, seed=i, name=site)
+        reply = live.client(site, streams=4, blobs="s3").submit_delta(
+            1, deltas[site], inline=True, fresh=True, **fields(site, lease)
+        )
+        assert reply["accepted"]
+    info = wait_round_closed(live, 1)
+    assert sorted(d["site"] for d in info["deltas"]) == SITES
+    assert moved(live) == (0, 0)
+    assert not list((live.state_dir / "models").glob("*.safetensors"))
+    traffic = httpx.get(
+        f"{worker_run.worker_url}/v1/traffic",
+        headers={"Authorization": f"Bearer {live.secrets['admin']}"},
+    ).json()
+    delta_bytes = sum(path.stat().st_size for path in deltas.values())
+    assert traffic["store_bytes_read"] >= 2 * delta_bytes  # the check, then the merge
+    assert traffic["store_bytes_written"] > 0  # generations 0 and 1
+    # what a site downloads is what the worker wrote, and what an in-process merge writes
+    got = live.client("lumi").download_model(1, tmp_path / "g1.safetensors")
+    assert digest_file(got) == live.client().status()["model"]["digest"]
+    worker_model = worker_run.worker_dir / "models" / "global-000001.safetensors"
+    assert got.read_bytes() == worker_model.read_bytes()
+    with sqlite3.connect(live.state_dir / "state.sqlite") as conn:
+        (spec_json,) = conn.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()
+    spec = RunSpec.from_dict(yaml.safe_load(spec_json))
+    here = LocalMerger(tmp_path / "here")
+    shutil.copy(worker_run.worker_dir / "models" / "master-000000.safetensors", here.models_dir)
+    shapes = here.shapes(0)
+    order = [d["site"] for d in info["deltas"]]
+    written = here.merge(
+        0, shapes, [deltas[s] for s in order], [d["tokens"] for d in info["deltas"]], spec.outer,
+        shared_moments=False, sites=order,
+    )  # fmt: skip
+    assert written.digest == digest_file(got)
+    # a later round still goes through the worker, from the master on its disk
+    assert (worker_run.worker_dir / "models" / "master-000001.safetensors").exists()
+
+
+def test_the_worker_refuses_bytes_that_do_not_hash_to_their_key(
+    worker_run: WorkerRun, tmp_path: Path
+) -> None:
+    """The worker's read-back finds the mismatch: 422 ``digest_mismatch``, as in-process."""
+    live = worker_run.live
+    reference = global_model(live, 0, tmp_path)
+    good = delta_file(tmp_path, reference, seed=0, name="good")
+    bad = delta_file(tmp_path, reference, seed=1, name="bad")
+    key = digest_file(good)
+    site = live.client("lumi")
+    plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": bad.stat().st_size})
+    (part,) = plan["parts"]
+    assert httpx.put(part["url"], content=bad.read_bytes()).status_code == 200
+    answer = site.http.post(
+        f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete",
+        json={"bytes": bad.stat().st_size},
+    )
+    assert answer.status_code == 422 and answer.json()["error"] == "digest_mismatch"
+    assert "hashes to" in answer.json()["detail"]
+
+
+def test_a_worker_that_is_down_is_a_503_and_nothing_is_lost(
+    worker_run: WorkerRun, tiny_data: Path, tmp_path: Path
+) -> None:
+    """With the worker down, completing an upload is 503 ``worker_unavailable`` (the
+    stored part stays); once it is back, the same upload completes and its delta is
+    accepted."""
+    live = worker_run.live
+    lease = join_and_lease(live, "lumi", tiny_data)
+    path = delta_file(tmp_path, global_model(live, 0, tmp_path), name="lumi")
+    key = digest_file(path)
+    site = live.client("lumi")
+    plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": path.stat().st_size})
+    (part,) = plan["parts"]
+    assert httpx.put(part["url"], content=path.read_bytes()).status_code == 200
+    worker_run.worker.kill()
+    worker_run.worker.wait(timeout=10)
+    complete = f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete"
+    answer = site.http.post(complete, json={"bytes": path.stat().st_size}, timeout=120)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"] == "worker_unavailable", answer.text
+    assert "merge worker" in answer.json()["detail"]
+    worker_run.restart_worker()
+    answer = site.http.post(complete, json={"bytes": path.stat().st_size}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    reply = site.post("/v1/rounds/1/deltas", {**fields("lumi", lease), "blob": key})
+    assert reply["accepted"]
+
+
+def test_only_the_coordinator_may_call_the_worker(worker_run: WorkerRun) -> None:
+    url = worker_run.worker_url
+    assert httpx.get(f"{url}/v1/health").json()["role"] == "merge_worker"
+    for token in (None, worker_run.live.secrets["sites"]["lumi"]):
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        answer = httpx.post(f"{url}/v1/retain", headers=headers, json={
+            "oldest_master": 99, "oldest_global": 99, "keep_start": False,
+        })  # fmt: skip
+        assert answer.status_code == 401, answer.text
+    assert (worker_run.worker_dir / "models" / "master-000000.safetensors").exists()
+
+
+def test_a_coordinator_without_its_worker_says_so_at_start(
+    worker_run: WorkerRun, tmp_path: Path
+) -> None:
+    """``serve`` with a worker that does not answer, or ``embedded`` on a VM, stops at start
+    with a message naming the problem (exit 2), as a missing bucket does."""
+    state = tmp_path / "other"
+    state.mkdir()
+    base = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir", str(state),
+            "--secrets", str(worker_run.secrets_path), "--blobs", str(worker_run.blobs),
+            "--port", str(free_port("127.0.0.1"))]  # fmt: skip
+    dead = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    proc = subprocess.run(
+        [*base, "--merge-worker", dead], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"the merge worker at {dead} did not answer" in proc.stderr
+    embedded = yaml.safe_load(worker_run.blobs.read_text())
+    embedded["blobs"]["s3"]["merge_worker"] = "embedded"
+    (state / "blobs.yaml").write_text(yaml.safe_dump(embedded))
+    base[base.index(str(worker_run.blobs))] = str(state / "blobs.yaml")
+    proc = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "merge_worker: embedded" in proc.stderr, proc.stderr
