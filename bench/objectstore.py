@@ -39,9 +39,11 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
@@ -51,7 +53,12 @@ sys.path.insert(0, str(REPO))
 
 from crossfed import moments  # noqa: E402
 from crossfed.client.http import CoordinatorClient  # noqa: E402
-from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator  # noqa: E402
+from crossfed.coordinator.embedded import (  # noqa: E402
+    ensure_secrets,
+    free_port,
+    spawn_coordinator,
+    spawn_worker,
+)
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
 from crossfed.darl.blockspace import BlockSpace  # noqa: E402
 from crossfed.testing.wan_emulator import EmulatorProcess, Link  # noqa: E402
@@ -122,9 +129,13 @@ def one_round(
     root: Path,
     weed: SeaweedFS | None,
     endpoint: str | None = None,
+    merge_worker: bool = False,
 ) -> dict[str, Any]:
-    """One round against a fresh coordinator keeping blobs in ``backend``; its figures."""
-    state = root / f"coordinator-{backend}"
+    """One round against a fresh coordinator keeping blobs in ``backend``; its figures.
+    ``merge_worker``: the coordinator hands its reads and writes of the store to a merge
+    worker beside the store (reaching it directly, not through ``endpoint``)."""
+    name = f"{backend}-worker" if merge_worker else backend
+    state = root / f"coordinator-{name}"
     state.mkdir(parents=True)
     sites = SITE_NAMES[: args.sites]
     secrets = ensure_secrets(state / "secrets.yaml", sites)
@@ -136,8 +147,19 @@ def one_round(
         section = weed.blobs_config(prefix="bench/")
         section["s3"]["endpoint"] = endpoint or section["s3"]["endpoint"]
         blobs.write_text(yaml.safe_dump({"blobs": section}))
+    worker = worker_url = None
+    if merge_worker:
+        assert weed is not None and blobs is not None
+        beside = state / "worker-blobs.yaml"
+        beside.write_text(yaml.safe_dump({"blobs": weed.blobs_config(prefix="bench/")}))
+        worker, worker_url = spawn_worker(
+            state / "worker", state / "secrets.yaml", beside, "127.0.0.1", timeout_s=120
+        )
     port = free_port("127.0.0.1")
-    proc = spawn_coordinator(state, state / "secrets.yaml", "127.0.0.1", port, 600, blobs=blobs)
+    proc = spawn_coordinator(
+        state, state / "secrets.yaml", "127.0.0.1", port, 600, blobs=blobs,
+        merge_worker=worker_url,
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         admin = CoordinatorClient(url, secrets["admin"], timeout_s=600, blobs=backend)
@@ -150,8 +172,9 @@ def one_round(
             )
             for s in sites
         }
-        work = root / f"sites-{backend}"
+        work = root / f"sites-{name}"
         api0, store0 = moved(admin.get("/v1/admin/http"))
+        beside0 = worker_traffic(worker_url, secrets["admin"])
         started = time.perf_counter()
         leases, deltas = {}, {}
         for i, (site, client) in enumerate(clients.items()):
@@ -170,6 +193,7 @@ def one_round(
         for site, client in clients.items():
             client.download_model(1, work / site / "g1.safetensors")
         api1, store1 = moved(admin.get("/v1/admin/http"))
+        beside1 = worker_traffic(worker_url, secrets["admin"])
         report = info["report"] if isinstance(info["report"], dict) else json.loads(info["report"])
         delta_bytes = sum(p.stat().st_size for p in deltas.values())
         model_bytes = (work / sites[0] / "g1.safetensors").stat().st_size
@@ -178,6 +202,7 @@ def one_round(
             "api_bytes": api1 - api0,
             "store_bytes": store1 - store0,
             "process_bytes": api1 - api0 + store1 - store0,
+            "worker_store_bytes": beside1 - beside0,
             "payload_bytes": delta_bytes + 2 * len(sites) * model_bytes,  # g0 and g1 down
             "merge_s": report["merge_s"],
             "checkpoint_s": report["checkpoint_s"],
@@ -187,6 +212,17 @@ def one_round(
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        if worker is not None:
+            worker.terminate()
+            worker.wait(timeout=60)
+
+
+def worker_traffic(url: str | None, token: str) -> int:
+    """The merge worker's bytes to and from the store so far (0 without one)."""
+    if url is None:
+        return 0
+    counts = httpx.get(f"{url}/v1/traffic", headers={"Authorization": f"Bearer {token}"}).json()
+    return counts["store_bytes_read"] + counts["store_bytes_written"]
 
 
 def wait_closed(admin: CoordinatorClient, round_no: int, timeout_s: float = 3600) -> dict:
@@ -207,13 +243,16 @@ def main(argv: list[str] | None = None) -> int:
         file = one_round("file", args, root, None)
         print(f"file store: {json.dumps(file)}", flush=True)
         with SeaweedFS(root / "weed") as weed:
-            if args.store_rtt_ms > 0:
-                link = Link("store", "127.0.0.1", weed.ports["s3"], args.store_rtt_ms)
-                with EmulatorProcess([link]) as ports:
-                    s3 = one_round("s3", args, root, weed, f"http://127.0.0.1:{ports['store']}")
-            else:
-                s3 = one_round("s3", args, root, weed)
-        print(f"object store: {json.dumps(s3)}", flush=True)
+            far = None
+            with ExitStack() as stack:
+                if args.store_rtt_ms > 0:
+                    link = Link("store", "127.0.0.1", weed.ports["s3"], args.store_rtt_ms)
+                    ports = stack.enter_context(EmulatorProcess([link]))
+                    far = f"http://127.0.0.1:{ports['store']}"
+                s3 = one_round("s3", args, root, weed, far)
+                print(f"object store: {json.dumps(s3)}", flush=True)
+                beside = one_round("s3", args, root, weed, far, merge_worker=True)
+                print(f"object store, merge worker: {json.dumps(beside)}", flush=True)
     finally:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
@@ -232,11 +271,17 @@ def main(argv: list[str] | None = None) -> int:
         "process_bytes_file": file["process_bytes"],
         "process_bytes_s3": s3["process_bytes"],
         "process_ratio": s3["process_bytes"] / max(1, file["process_bytes"]),
+        "process_bytes_worker": beside["process_bytes"],
+        "process_ratio_worker": beside["process_bytes"] / max(1, file["process_bytes"]),
+        "process_target_met": beside["process_bytes"] / max(1, file["process_bytes"]) <= 0.01,
+        "worker_store_bytes": beside["worker_store_bytes"],
         "close_s_file": round(file["close_s"], 3),
         "close_s_s3": round(s3["close_s"], 3),
         "close_ratio": s3["close_s"] / file["close_s"] if file["close_s"] else math.nan,
         "round_s_file": round(file["round_s"], 2),
         "round_s_s3": round(s3["round_s"], 2),
+        "close_s_worker": round(beside["close_s"], 3),
+        "round_s_worker": round(beside["round_s"], 2),
     }
     print(json.dumps(result))
     return 0

@@ -255,7 +255,10 @@ class Closing(Views):
         }
         if self.keep_models > 0:
             oldest["global"] = min(oldest["global"], oldest["master"])
-        self.merger.retain(oldest["master"], oldest["global"], self.keep_deltas)
+        try:
+            self.merger.retain(oldest["master"], oldest["global"], self.keep_deltas)
+        except BlobError as exc:  # the generation is committed: retention waits a round
+            log.warning("retention of the generations' files skipped this round: %s", exc)
         merged, pending = store.delta_blobs(self.conn, closed_round)
         if self.keep_deltas:
             merged, pending = [], [*merged, *pending]

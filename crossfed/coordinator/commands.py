@@ -58,6 +58,10 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         merger=merger,
         **({} if every is None else {"ledger_checkpoint_every": every}),
     )
+    problem = _worker_problem(coordinator, merger, Path(args.state_dir))
+    if problem:
+        print(f"crossfed coordinator serve: {problem}", file=sys.stderr)
+        return 2
     app = create_app(coordinator, tokens, max_request_s=args.max_request_s)
     ssl = {}
     if args.ssl_certfile:
@@ -103,6 +107,28 @@ def _merge_worker(args: argparse.Namespace, objects: Any, admin_token: str) -> A
     merger = RemoteMerger(url, admin_token, retry_budget_s=15.0)
     merger.health()
     return merger
+
+
+def _worker_problem(coordinator: Any, merger: Any, state_dir: Path) -> str | None:
+    """Why the merge worker cannot serve this run (None: it can): the run's fp32 master of
+    its committed generation must be on the worker's disk, which it is not for a run that
+    began without that worker."""
+    from crossfed.coordinator.blobs import BlobError
+
+    if merger is None or coordinator.spec is None:
+        return None
+    try:
+        merger.shapes(coordinator.generation)
+    except BlobError as exc:
+        if exc.status != 404:
+            raise
+        return (
+            f"the merge worker at {merger.url} does not hold this run's generation "
+            f"{coordinator.generation} ({exc}); a run keeps its fp32 master where it began "
+            f"({state_dir / 'models'} without a worker): start the coordinator as the run "
+            "began, or a new run in a new state dir"
+        )
+    return None
 
 
 def cmd_coordinator_worker(args: argparse.Namespace) -> int:

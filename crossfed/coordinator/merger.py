@@ -271,8 +271,12 @@ class RemoteMerger:
     def close(self) -> None:
         self.client.close()
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        backoff = Backoff(0.5, 5.0, jitter=True, budget_s=self.retry_budget_s)
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, retry: bool = True
+    ) -> Any:
+        """The worker's answer; ``retry=False``: one try (a call made under the
+        coordinator's lock must not hold it for a retry budget)."""
+        backoff = Backoff(0.5, 5.0, jitter=True, budget_s=self.retry_budget_s if retry else 0.0)
         while True:
             try:
                 response = self.client.request(method, path, json=body)
@@ -346,7 +350,7 @@ class RemoteMerger:
         self._call("POST", "/v1/retain", {
             "oldest_master": oldest_master, "oldest_global": oldest_global,
             "keep_start": keep_start,
-        })  # fmt: skip
+        }, retry=False)  # fmt: skip
 
 
 def _shape_list(shapes: Shapes) -> list[list[Any]]:

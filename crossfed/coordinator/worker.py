@@ -87,6 +87,13 @@ def create_worker_app(merger: LocalMerger, admin_token: str) -> FastAPI:
     async def _blob_error(_: Request, exc: BlobError) -> JSONResponse:
         return JSONResponse(status_code=exc.status, content={"error": exc.code, "detail": str(exc)})
 
+    @app.exception_handler(FileNotFoundError)
+    async def _missing(_: Request, exc: FileNotFoundError) -> JSONResponse:
+        return JSONResponse(
+            status_code=404,
+            content={"error": "no_generation", "detail": f"not on this worker: {exc}"},
+        )
+
     @app.exception_handler(Exception)
     async def _failed(_: Request, exc: Exception) -> JSONResponse:
         log.error("worker call failed", exc_info=exc)

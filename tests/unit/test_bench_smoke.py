@@ -95,6 +95,9 @@ SMOKES = [
             "close_s_file",
             "close_s_s3",
             "process_ratio",
+            "process_ratio_worker",
+            "worker_store_bytes",
+            "close_s_worker",
             "store_rtt_ms",
         ),
     ),  # fmt: skip

@@ -141,6 +141,17 @@ def test_an_s3_store_keeps_what_was_given_and_leaves_out_what_was_not() -> None:
     assert moved.as_dict()["blobs"]["backend"] == "file"  # the mapping follows the fields
 
 
+def test_a_merge_worker_is_a_url_or_embedded_and_anything_else_is_named() -> None:
+    for value in ("embedded", "https://worker.example.org:8471", "http://10.0.0.5:8471"):
+        blobs = {"backend": "s3", "s3": {"bucket": "runs", "merge_worker": value}}
+        assert load_run_config(None, {"blobs": blobs}).blobs.s3.merge_worker == value
+    assert load_run_config(None, {}).blobs.s3.merge_worker is None
+    for value in ("worker.example.org:8471", "ftp://worker", "Embedded"):
+        blobs = {"backend": "s3", "s3": {"bucket": "runs", "merge_worker": value}}
+        with pytest.raises(ConfigError, match="merge_worker"):
+            load_run_config(None, {"blobs": blobs})
+
+
 def test_the_tree_is_built_from_a_validated_mapping_only(tmp_path: Path) -> None:
     mapping = validate({}, "config.schema.yaml", "defaults")
     del mapping["inner"]["steps"]

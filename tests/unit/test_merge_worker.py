@@ -222,3 +222,26 @@ def test_a_coordinator_without_its_worker_says_so_at_start(
     base[base.index(str(worker_run.blobs))] = str(state / "blobs.yaml")
     proc = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "merge_worker: embedded" in proc.stderr, proc.stderr
+
+
+def test_a_run_that_began_without_a_worker_is_not_handed_to_one(
+    worker_run: WorkerRun, tmp_path: Path
+) -> None:
+    """A worker that does not hold the run's master is named at start (exit 2), not found
+    out by every merge failing."""
+    stop(worker_run.live.process)
+    empty, url = spawn_worker(
+        tmp_path / "empty", worker_run.secrets_path, worker_run.blobs, "127.0.0.1"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir",
+             str(worker_run.live.state_dir), "--secrets", str(worker_run.secrets_path),
+             "--blobs", str(worker_run.blobs), "--port", str(free_port("127.0.0.1")),
+             "--merge-worker", url],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        stop(empty)
+    assert proc.returncode == 2, proc.stderr
+    assert f"the merge worker at {url} does not hold this run's generation 0" in proc.stderr
