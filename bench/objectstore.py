@@ -215,6 +215,8 @@ def one_round(
         if worker is not None:
             worker.terminate()
             worker.wait(timeout=60)
+        if not args.workdir:  # tens of GB a round at 0.6B: the next round needs the disk
+            shutil.rmtree(state, ignore_errors=True)
 
 
 def worker_traffic(url: str | None, token: str) -> int:
