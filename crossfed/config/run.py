@@ -130,9 +130,12 @@ class DataSection(Section):
 
 @dataclass(frozen=True)
 class InnerSection(Section):
-    """The inner phase: H AdamW steps, the LR schedule and checkpoints."""
+    """The inner phase: H AdamW steps (fewer in the early rounds), the LR schedule and
+    checkpoints."""
 
     steps: int
+    early_rounds: int
+    early_steps: int
     lr: float
     warmup_steps: int
     min_lr_factor: float

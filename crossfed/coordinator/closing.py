@@ -204,7 +204,9 @@ class Closing(Views):
         assert report is not None
         assert self.spec is not None and self.book is not None
         steps = [d["steps"] for d in deltas]
-        global_step = next_global_step(current["global_step"], steps, self.spec.inner_steps)
+        global_step = next_global_step(
+            current["global_step"], steps, self.spec.round_steps(current["round_no"])
+        )
         following = current["round_no"] + 1
         now = self.clock()
         summary = {

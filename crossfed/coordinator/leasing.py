@@ -168,7 +168,7 @@ class Leasing(Views):
         step = current["global_step"]
         if early:
             deltas = store.round_deltas(self.conn, current["round_no"])
-            inner_steps = self._require_run().inner_steps
+            inner_steps = self._require_run().round_steps(current["round_no"])
             step = next_global_step(step, [d["steps"] for d in deltas], inner_steps)
         return {"generation": current["generation"], "early": early, "global_step": step}
 
@@ -296,10 +296,11 @@ class Leasing(Views):
 
     def _note_step_rate(self, site: str, lease_id: int, t_step_s: float | None) -> None:
         """The site's compute rate from a heartbeat's mean step time: the lease's phase (the
-        blocks it asked for, H steps' worth) over H steps. Grants are sized by it
+        blocks it asked for, its round's H steps' worth) over those H steps. Grants are sized by it
         (``LeaseBook.grant_size``): unlike a commit rate it leaves out uploads, merges and
         waits, and it is known from a site's first steps on."""
         blocks = self._phase_blocks.get(lease_id)
-        if not t_step_s or not blocks or self.spec is None:
+        if not t_step_s or not blocks or self.spec is None or self.book is None:
             return
-        self._step_rates[site] = blocks / (self.spec.inner_steps * t_step_s)
+        steps = self.spec.round_steps(self.book.lease(lease_id).round_no)
+        self._step_rates[site] = blocks / (steps * t_step_s)

@@ -10,7 +10,7 @@ from crossfed import moments
 from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
-from crossfed.train.schedule import LRSchedule
+from crossfed.train.schedule import LRSchedule, round_steps
 
 if TYPE_CHECKING:
     from crossfed.config import RunConfig, SiteConfig
@@ -66,9 +66,25 @@ class RunSpec:
     #: :mod:`crossfed.moments`): ``shared`` or ``own``; None is not yet decided (a config
     #: that leaves it unset), resolved when the run is stored (:func:`resolve_outer`)
     second_moment: str | None = None
+    #: the first ``early_rounds`` rounds train ``early_steps`` inner steps each, the later
+    #: ones ``inner_steps`` (``inner.early_rounds``; docs/quality.md, "Early rounds")
+    early_rounds: int = 0
+    early_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def round_steps(self, round_no: int) -> int:
+        """H of round ``round_no``: the inner steps each site trains in it."""
+        return round_steps(self.inner_schedule(), round_no)
+
+    def inner_schedule(self) -> dict[str, int]:
+        """What a site needs to size any round's phase (:meth:`round_steps`)."""
+        return {
+            "steps": self.inner_steps,
+            "early_rounds": self.early_rounds,
+            "early_steps": self.early_steps,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSpec:
@@ -89,6 +105,9 @@ class RunSpec:
                 leases=LeasePolicy(**data.get("leases", {})),
                 # a run stored before the setting existed kept each site's own
                 second_moment=data.get("second_moment", moments.LEGACY_MODE),
+                # a run stored before early rounds existed has none
+                early_rounds=int(data.get("early_rounds", 0)),
+                early_steps=int(data.get("early_steps", 0)),
             )
         except KeyError as exc:
             raise RunSpecError(f"run spec is missing field {exc.args[0]!r}") from exc
@@ -102,6 +121,13 @@ class RunSpec:
             raise RunSpecError(f"block space: {exc}") from exc
         if spec.inner_steps < 1:
             raise RunSpecError("inner_steps (H) must be >= 1")
+        if spec.early_rounds < 0:
+            raise RunSpecError(f"early_rounds must be >= 0, got {spec.early_rounds}")
+        if spec.early_rounds and spec.early_steps < 1:
+            raise RunSpecError(
+                f"early_steps must be >= 1 with early_rounds {spec.early_rounds}, "
+                f"got {spec.early_steps}"
+            )
         if not spec.sites:
             raise RunSpecError("a run needs at least one site")
         share = spec.leases.probe_share
@@ -164,6 +190,13 @@ def describe(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.items())
 
 
+def schedule_steps(rounds: int, inner_steps: int, early_rounds: int, early_steps: int) -> int:
+    """Inner steps of a run of ``rounds`` rounds whose first ``early_rounds`` train
+    ``early_steps`` each and the rest ``inner_steps``: its LR schedule's length."""
+    early = min(rounds, early_rounds)
+    return early * early_steps + (rounds - early) * inner_steps
+
+
 def run_spec(config: RunConfig, sites: Mapping[str, SiteConfig]) -> RunSpec:
     """The coordinator's view of a validated run config; the data's meta.json fixes N and the
     vocabulary (``crossfed run init`` sends it, a rerun compares against it)."""
@@ -173,6 +206,7 @@ def run_spec(config: RunConfig, sites: Mapping[str, SiteConfig]) -> RunSpec:
 
     meta = read_meta(Path(config.data.dir))
     inner, outer, darl = config.inner, config.outer, config.darl
+    early_steps = inner.early_steps if inner.early_rounds else 0  # none: as runs before them
     return RunSpec(
         n_windows=int(meta["n_windows"]),
         block_size=config.data.block_size,
@@ -192,7 +226,7 @@ def run_spec(config: RunConfig, sites: Mapping[str, SiteConfig]) -> RunSpec:
         schedule=LRSchedule(
             peak_lr=inner.lr,
             warmup_steps=inner.warmup_steps,
-            total_steps=inner.steps * config.rounds,
+            total_steps=schedule_steps(config.rounds, inner.steps, inner.early_rounds, early_steps),
             min_lr_factor=inner.min_lr_factor,
         ),
         rounds=RoundPolicy(
@@ -207,4 +241,6 @@ def run_spec(config: RunConfig, sites: Mapping[str, SiteConfig]) -> RunSpec:
             probe_share=darl.probe_share,
         ),
         second_moment=inner.second_moment,
+        early_rounds=inner.early_rounds,
+        early_steps=early_steps,
     )

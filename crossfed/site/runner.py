@@ -89,7 +89,7 @@ from crossfed.train.inner import (
 )
 from crossfed.train.model import build_model, flops_per_token, parameters_of
 from crossfed.train.overlap import MergeWaits, fold_in
-from crossfed.train.schedule import LRSchedule
+from crossfed.train.schedule import LRSchedule, round_steps
 from crossfed.wire.codecs import save_delta
 from crossfed.wire.tensors import open_tensors
 
@@ -150,7 +150,8 @@ class SiteRunner:
         #: the last round the driving loop trains (None: the run's last)
         self.through_round: int | None = None
         self._last_start: RoundStart | None = None
-        self._inner_steps = 0
+        #: the run's H per round (the coordinator's ``inner_schedule``), from the last join
+        self._inner_schedule: dict[str, int] = {}
         #: the next round's early lease asked during a phase's last step, and the heartbeat
         #: of one granted, kept running for the phase that trains it (rank 0)
         self._ask: EarlyAsk | None = None
@@ -288,11 +289,11 @@ class SiteRunner:
                 )  # fmt: skip
                 accumulation = ask.accumulation
         else:
-            granted = self.control.early_lease(round_no, self._lease_want(), prev.rtt_ms)
+            granted = self.control.early_lease(round_no, self._lease_want(round_no), prev.rtt_ms)
             if granted is None:
                 return None
             lease, global_step = granted
-        want = self._lease_want(accumulation=accumulation)
+        want = self._lease_want(round_no, accumulation)
         log.info(
             "%s early lease %d: %d blocks (asked %d) while round %d is merged",
             site_prefix(self.s.site, round_no), lease["lease_id"], lease["n_blocks"], want,
@@ -304,12 +305,12 @@ class SiteRunner:
             early=True,
         )  # fmt: skip
 
-    def _lease_want(self, inner_steps: int | None = None, accumulation: int | None = None) -> int:
-        """The blocks of one phase of ``inner_steps`` (default: the run's H) at this shape,
-        or at ``accumulation``."""
+    def _lease_want(self, round_no: int, accumulation: int | None = None) -> int:
+        """The blocks of one phase of round ``round_no`` (its H: the run's, or the early
+        rounds') at this shape, or at ``accumulation``."""
         inner = self.s.inner
         return lease_blocks(
-            inner_steps or self._inner_steps, inner.micro_batch, inner.ranks,
+            round_steps(self._inner_schedule, round_no), inner.micro_batch, inner.ranks,
             accumulation or inner.accumulation, self.s.block_size,
         )  # fmt: skip
 
@@ -329,7 +330,7 @@ class SiteRunner:
             return
         accumulation = self._plan_a or self.s.inner.accumulation  # the plan's, not the phase's
         self._ask = EarlyAsk(
-            self.control, round_no + 1, self._lease_want(accumulation=accumulation),
+            self.control, round_no + 1, self._lease_want(round_no + 1, accumulation),
             start.rtt_ms, accumulation,
         )  # fmt: skip
 
@@ -342,6 +343,8 @@ class SiteRunner:
         control = self.control
         assert control is not None
         joined, rtt = control.join(round_no)
+        # a coordinator from before early rounds says only the run's H
+        self._inner_schedule = joined.get("inner_schedule") or {"steps": int(joined["inner_steps"])}
         resumed = self._resume_pending(round_no)
         if resumed is not None:
             return resumed
@@ -349,14 +352,13 @@ class SiteRunner:
             detail = f"round {round_no} closed; coordinator is at round {joined['round']}"
             return RoundOutcome(self.s.site, round_no, "missed", rtt_ms=rtt, detail=detail)
         generation = joined["generation"]
-        self._inner_steps = int(joined["inner_steps"])
         t0 = time.perf_counter()
         model_path = control.download(generation, joined.get("model"))
         download_s = time.perf_counter() - t0
         cursor, lease = self._resumable(round_no, generation, joined)
         if cursor is not None and cursor.accumulation:
             self._use_accumulation(cursor.accumulation)  # the phase's own A
-        want = self._lease_want(int(joined["inner_steps"]))
+        want = self._lease_want(round_no)
         if lease is None:
             try:
                 lease = control.lease(round_no, want, rtt)

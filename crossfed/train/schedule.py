@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -23,3 +24,12 @@ class LRSchedule:
         progress = min(1.0, (global_step - self.warmup_steps) / decay_steps)
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.peak_lr * (self.min_lr_factor + (1.0 - self.min_lr_factor) * cosine)
+
+
+def round_steps(schedule: Mapping[str, int], round_no: int) -> int:
+    """H of round ``round_no`` under a run's inner schedule (``steps``, and optionally
+    ``early_rounds`` and ``early_steps``: the first ``early_rounds`` rounds train
+    ``early_steps`` inner steps each, the later ones ``steps``)."""
+    if round_no <= int(schedule.get("early_rounds", 0)):
+        return int(schedule["early_steps"])
+    return int(schedule["steps"])
