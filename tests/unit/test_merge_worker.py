@@ -27,7 +27,7 @@ from tests.unit.test_coordinator_http import (
     join_and_lease,
     wait_round_closed,
 )
-from tests.unit.test_objectstore import PART, fields
+from tests.unit.test_objectstore import PART, fields, upload_under
 
 SITES = ["lumi", "snellius"]
 
@@ -147,15 +147,7 @@ def test_the_worker_refuses_bytes_that_do_not_hash_to_their_key(
     reference = global_model(live, 0, tmp_path)
     good = delta_file(tmp_path, reference, seed=0, name="good")
     bad = delta_file(tmp_path, reference, seed=1, name="bad")
-    key = digest_file(good)
-    site = live.client("lumi")
-    plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": bad.stat().st_size})
-    (part,) = plan["parts"]
-    assert httpx.put(part["url"], content=bad.read_bytes()).status_code == 200
-    answer = site.http.post(
-        f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete",
-        json={"bytes": bad.stat().st_size},
-    )
+    answer = upload_under(live.client("lumi"), digest_file(good), bad)
     assert answer.status_code == 422 and answer.json()["error"] == "digest_mismatch"
     assert "hashes to" in answer.json()["detail"]
 

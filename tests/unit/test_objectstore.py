@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from crossfed.client.http import Refused
+from crossfed.client.http import CoordinatorClient, Refused
 from crossfed.coordinator import objectstore
 from crossfed.coordinator import store as state_db
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
@@ -106,6 +106,18 @@ def big_file(path: Path, size: int = 11 * MiB, seed: int = 1) -> Path:
     return path
 
 
+def upload_under(site: CoordinatorClient, key: str, path: Path) -> httpx.Response:
+    """``path``'s bytes put to the store as blob ``key`` (in one part) and the upload
+    completed: the coordinator's answer to the completion."""
+    size = path.stat().st_size
+    plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": size})
+    (part,) = plan["parts"]
+    assert httpx.put(part["url"], content=path.read_bytes()).status_code == 200
+    return site.http.post(
+        f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete", json={"bytes": size}
+    )
+
+
 def test_a_round_goes_through_the_store_and_not_through_the_coordinator(
     s3_run: LiveCoordinator, weed: SeaweedFS, tiny_data: Path, tmp_path: Path
 ) -> None:
@@ -178,13 +190,7 @@ def test_bytes_that_do_not_hash_to_their_key_are_refused_and_deleted(
     bad = delta_file(tmp_path, reference, seed=1, name="bad")
     key = digest_file(good)
     site = s3_run.client("lumi")
-    plan = site.post(f"/v1/blobs/{key}/uploads", {"bytes": bad.stat().st_size})
-    (part,) = plan["parts"]
-    assert httpx.put(part["url"], content=bad.read_bytes()).status_code == 200
-    answer = site.http.post(
-        f"/v1/blobs/{key}/uploads/{plan['upload_id']}/complete",
-        json={"bytes": bad.stat().st_size},
-    )
+    answer = upload_under(site, key, bad)
     assert answer.status_code == 422 and answer.json()["error"] == "digest_mismatch"
     assert "hashes to" in answer.json()["detail"]
     assert not [n for n in objects(weed, s3_run) if n.startswith("blobs/")]  # deleted
