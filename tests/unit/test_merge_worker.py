@@ -90,6 +90,21 @@ def moved(live: LiveCoordinator) -> tuple[int, int]:
     return counts["store_bytes_read"], counts["store_bytes_written"]
 
 
+def merged_here(run: WorkerRun, info: dict, deltas: dict[str, Path], tmp_path: Path) -> str:
+    """The digest of generation 1 as this process's own merge makes it from round 1's
+    deltas (``info``: the closed round) and the worker's generation 0."""
+    with sqlite3.connect(run.live.state_dir / "state.sqlite") as conn:
+        (spec_json,) = conn.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()
+    here = LocalMerger(tmp_path / "here")
+    shutil.copy(run.worker_dir / "models" / "master-000000.safetensors", here.models_dir)
+    order = [d["site"] for d in info["deltas"]]
+    written = here.merge(
+        0, here.shapes(0), [deltas[s] for s in order], [d["tokens"] for d in info["deltas"]],
+        RunSpec.from_dict(yaml.safe_load(spec_json)).outer, shared_moments=False, sites=order,
+    )  # fmt: skip
+    return written.digest
+
+
 def test_a_round_moves_no_delta_or_model_byte_through_the_coordinator(
     worker_run: WorkerRun, weed: SeaweedFS, tiny_data: Path, tmp_path: Path
 ) -> None:
@@ -123,18 +138,7 @@ def test_a_round_moves_no_delta_or_model_byte_through_the_coordinator(
     assert digest_file(got) == live.client().status()["model"]["digest"]
     worker_model = worker_run.worker_dir / "models" / "global-000001.safetensors"
     assert got.read_bytes() == worker_model.read_bytes()
-    with sqlite3.connect(live.state_dir / "state.sqlite") as conn:
-        (spec_json,) = conn.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()
-    spec = RunSpec.from_dict(yaml.safe_load(spec_json))
-    here = LocalMerger(tmp_path / "here")
-    shutil.copy(worker_run.worker_dir / "models" / "master-000000.safetensors", here.models_dir)
-    shapes = here.shapes(0)
-    order = [d["site"] for d in info["deltas"]]
-    written = here.merge(
-        0, shapes, [deltas[s] for s in order], [d["tokens"] for d in info["deltas"]], spec.outer,
-        shared_moments=False, sites=order,
-    )  # fmt: skip
-    assert written.digest == digest_file(got)
+    assert merged_here(worker_run, info, deltas, tmp_path) == digest_file(got)
     # a later round still goes through the worker, from the master on its disk
     assert (worker_run.worker_dir / "models" / "master-000001.safetensors").exists()
 
@@ -178,6 +182,39 @@ def test_a_worker_that_is_down_is_a_503_and_nothing_is_lost(
     assert answer.status_code == 200, answer.text
     reply = site.post("/v1/rounds/1/deltas", {**fields("lumi", lease), "blob": key})
     assert reply["accepted"]
+
+
+def test_a_worker_killed_mid_merge_loses_nothing(
+    worker_run: WorkerRun,
+    tiny_data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker SIGKILLed halfway through writing generation 1: the round stays open (the
+    coordinator retries its close), and once the worker is back it merges the same deltas
+    into the same generation the uninterrupted merge makes."""
+    live = worker_run.live
+    reference = global_model(live, 0, tmp_path)
+    stop(worker_run.worker)
+    monkeypatch.setenv("CROSSFED_CRASH_AT", "inside_generation_write")
+    monkeypatch.setenv("CROSSFED_CRASH_ONCE", str(tmp_path / "crashed"))
+    worker_run.restart_worker()
+    monkeypatch.delenv("CROSSFED_CRASH_AT")
+    deltas = {}
+    for i, site in enumerate(SITES):
+        lease = join_and_lease(live, site, tiny_data)
+        deltas[site] = delta_file(tmp_path, reference, seed=i, name=site)
+        reply = live.client(site, streams=2, blobs="s3").submit_delta(
+            1, deltas[site], inline=True, fresh=True, **fields(site, lease)
+        )
+        assert reply["accepted"]
+    assert worker_run.worker.wait(timeout=60) == -9  # it died at the crash point
+    assert live.client().round_info(1)["status"] == "open"
+    worker_run.restart_worker()  # the crash happened once: this one runs through
+    info = wait_round_closed(live, 1, timeout_s=120)
+    got = live.client("lumi").download_model(1, tmp_path / "g1.safetensors")
+    assert merged_here(worker_run, info, deltas, tmp_path) == digest_file(got)
+    assert not list((worker_run.worker_dir / "models").glob(".*.tmp"))  # retention's
 
 
 def test_only_the_coordinator_may_call_the_worker(worker_run: WorkerRun) -> None:
