@@ -91,7 +91,7 @@ def create_worker_app(merger: LocalMerger, admin_token: str) -> FastAPI:
     async def _missing(_: Request, exc: FileNotFoundError) -> JSONResponse:
         return JSONResponse(
             status_code=404,
-            content={"error": "no_generation", "detail": f"not on this worker: {exc}"},
+            content={"error": "not_found", "detail": f"not found: {exc}"},
         )
 
     @app.exception_handler(Exception)

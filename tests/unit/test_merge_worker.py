@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator, spawn_worker
-from crossfed.coordinator.merger import LocalMerger
+from crossfed.coordinator.merger import LocalMerger, RemoteMerger, WorkerError
 from crossfed.coordinator.runspec import RunSpec
+from crossfed.outer import OuterConfig
 from crossfed.wire.digests import digest_file
 from tests.conftest import LiveCoordinator, stop, tiny_spec
 from tests.helpers.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS
@@ -27,7 +28,7 @@ from tests.unit.test_coordinator_http import (
     join_and_lease,
     wait_round_closed,
 )
-from tests.unit.test_objectstore import PART, fields, upload_under
+from tests.unit.test_objectstore import PART, bucket, fields, upload_under
 
 SITES = ["lumi", "snellius"]
 
@@ -215,6 +216,31 @@ def test_a_worker_killed_mid_merge_loses_nothing(
     got = live.client("lumi").download_model(1, tmp_path / "g1.safetensors")
     assert merged_here(worker_run, info, deltas, tmp_path) == digest_file(got)
     assert not list((worker_run.worker_dir / "models").glob(".*.tmp"))  # retention's
+
+
+def test_the_same_merge_asked_again_is_answered_from_the_first(
+    worker_run: WorkerRun, weed: SeaweedFS, tmp_path: Path
+) -> None:
+    """A coordinator that asks for a merge again (it restarted, or timed out, while the
+    worker merged) gets the first merge's result, even once the deltas are gone; a merge
+    asked with anything different is merged anew."""
+    live = worker_run.live
+    path = delta_file(tmp_path, global_model(live, 0, tmp_path), name="lumi")
+    name = f"{worker_run.root.name}/by-hand/delta.safetensors"
+    store = bucket(weed)
+    store.upload_file(str(path), weed.bucket, name)
+    merger = RemoteMerger(worker_run.worker_url, live.secrets["admin"])
+    shapes = merger.shapes(0)
+    ask = dict(shared_moments=False, sites=["lumi"])
+    first = merger.merge(0, shapes, [name], [32], OuterConfig(preset="average"), **ask)
+    store.delete_object(Bucket=weed.bucket, Key=name)
+    again = merger.merge(0, shapes, [name], [32], OuterConfig(preset="average"), **ask)
+    assert again == first
+    with pytest.raises(WorkerError) as other:  # other tokens: merged anew, and the delta is gone
+        merger.merge(0, shapes, [name], [64], OuterConfig(preset="average"), **ask)
+    assert (other.value.status, other.value.code) == (404, "not_found")
+    assert name in str(other.value)
+    merger.close()
 
 
 def test_only_the_coordinator_may_call_the_worker(worker_run: WorkerRun) -> None:
