@@ -33,7 +33,7 @@ from crossfed.coordinator.generations import (
     read_shapes,
     write_generation,
 )
-from crossfed.coordinator.objectstore import ModelUpload, ObjectStore, ObjectTensorFile
+from crossfed.coordinator.objectstore import ModelUpload, ObjectStore, open_objects
 from crossfed.coordinator.s3blobs import Checked, check_object
 from crossfed.outer import OuterConfig, OuterStepReport
 from crossfed.wire.codecs import decoded
@@ -169,9 +169,7 @@ class LocalMerger:
         if not names:
             return list(deltas)  # type: ignore[arg-type]
         assert self.objects is not None, "deltas named by object need the object store"
-        objects = self.objects
-        with ThreadPoolExecutor(max(1, len(names)), thread_name_prefix="delta-open") as pool:
-            opened = iter(list(pool.map(lambda name: ObjectTensorFile(objects, name), names)))
+        opened = iter(open_objects(self.objects, names))
         return [next(opened) if isinstance(d, str) else d for d in deltas]
 
     def _merged_moments(

@@ -562,6 +562,14 @@ class ObjectTensorFile(TensorFile):
         return None
 
 
+def open_objects(store: ObjectStore, names: list[str]) -> list[ObjectTensorFile]:
+    """Objects ``names`` opened side by side as tensor files read in ranges (a round's
+    deltas: each opening is a round trip to the store), in order; a missing one is
+    ``FileNotFoundError`` naming it."""
+    with ThreadPoolExecutor(max(1, len(names)), thread_name_prefix="delta-open") as pool:
+        return list(pool.map(lambda name: ObjectTensorFile(store, name), names))
+
+
 class ModelUpload:
     """Object ``name`` uploaded while its local file of ``size`` bytes is still being
     written (a merge's global model): :meth:`written` is the writer's progress hook, and each

@@ -4,10 +4,11 @@ A blob uploaded by ``owner`` (a site, or the admin) is the object
 ``<prefix>blobs/<owner>/<algo>/<hex>``: no site can touch another's object, even with the
 same bytes. A site asks for an upload (:meth:`ObjectBlobs.begin`), puts its parts to the
 presigned URLs it got, and says it has finished (:meth:`ObjectBlobs.complete`): the
-coordinator joins the parts the store lists, reads the object back and keeps it only if it
-hashes to its key (then it is recorded in SQLite as stored; a delta may refer to it). Global
-models are ``<prefix>models/global-<generation>.safetensors``, uploaded by the coordinator
-while its merge writes them, read by the sites through presigned URLs.
+coordinator joins the parts the store lists, has the object read back (by itself, or by a
+merge worker beside the store) and keeps it only if it hashes to its key (then it is
+recorded in SQLite as stored; a delta may refer to it). Global models are
+``<prefix>models/global-<generation>.safetensors``, uploaded while the merge writes them
+(:mod:`crossfed.coordinator.merger`), read by the sites through presigned URLs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError, check_key
 from crossfed.coordinator.deltacheck import StreamingDeltaCheck
-from crossfed.coordinator.objectstore import ModelUpload, ObjectStore, ObjectTensorFile
+from crossfed.coordinator.objectstore import ObjectStore, ObjectTensorFile
 from crossfed.wire.digests import parse_digest
 
 #: reads an uploaded object back: (name, algo, size, the run's shapes or None) -> Checked
@@ -195,12 +195,6 @@ class ObjectBlobs:
         """Blob ``key`` of ``owner`` as a tensor file read in ranges."""
         return ObjectTensorFile(self.objects, self.blob_name(key, owner))
 
-    def open_many(self, refs: list[tuple[str, str]]) -> list[ObjectTensorFile]:
-        """Blobs ``(key, owner)`` opened side by side (a round's deltas: each opening is a
-        round trip to the store), in order."""
-        with ThreadPoolExecutor(max(1, len(refs)), thread_name_prefix="delta-open") as pool:
-            return list(pool.map(lambda ref: self.open(*ref), refs))
-
     def download(self, key: str, owner: str) -> dict[str, Any]:
         """A presigned GET of ``owner``'s stored blob ``key``."""
         size = self.stored(key)[owner]
@@ -213,13 +207,6 @@ class ObjectBlobs:
         }
 
     # ------------------------------------------------------------------ models
-    def model_upload(self, generation: int, size: int) -> ModelUpload:
-        """The upload of generation ``generation``'s global model of ``size`` bytes, made
-        while the merge writes it (:func:`crossfed.coordinator.generations.write_generation`'s
-        ``model_progress`` is its :meth:`~ModelUpload.written`); :meth:`published` once it is
-        finished."""
-        return ModelUpload(self.objects, self.model_name(generation), size)
-
     def published(self, generation: int) -> None:
         self._published.add(generation)
 

@@ -23,11 +23,14 @@ from crossfed.coordinator import objectstore
 from crossfed.coordinator import store as state_db
 from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
 from crossfed.coordinator.generations import model_file_bytes, write_generation
+from crossfed.coordinator.merger import LocalMerger
 from crossfed.coordinator.objectstore import (
+    ModelUpload,
     ObjectStore,
     ObjectStoreError,
     ObjectTensorFile,
     S3Settings,
+    open_objects,
 )
 from crossfed.coordinator.s3blobs import ObjectBlobs
 from crossfed.wire.digests import digest_file
@@ -426,7 +429,7 @@ def test_a_global_model_goes_up_in_parts_while_the_merge_writes_it(
     store = model_store(weed, "stream/")
     blobs = ObjectBlobs(store, state_db.connect(tmp_path / "state.db"), threading.RLock())
     size = model_file_bytes(shapes, 1)
-    upload = blobs.model_upload(1, size)
+    upload = ModelUpload(store, blobs.model_name(1), size)
     assert len(upload.layout) == 3  # 12 MiB and a header, in parts of 5 MiB
     while_writing: list[tuple[bool, int]] = []
 
@@ -463,7 +466,7 @@ def test_a_merge_that_fails_leaves_no_model_object_and_no_open_upload(
     values = model_tensors()
     store = model_store(weed, "failed/")
     blobs = ObjectBlobs(store, state_db.connect(tmp_path / "state.db"), threading.RLock())
-    upload = blobs.model_upload(1, model_file_bytes(shapes, 1))
+    upload = ModelUpload(store, blobs.model_name(1), model_file_bytes(shapes, 1))
 
     def fill(emit):  # noqa: ANN001, ANN202
         for i, (name, value) in enumerate(values.items()):
@@ -485,7 +488,7 @@ def test_a_merge_that_fails_leaves_no_model_object_and_no_open_upload(
     assert store.size(blobs.model_name(1)) is None
     assert not (tmp_path / "global-1").exists()
     # a killed merge's upload stays open until retention reaps it
-    killed = blobs.model_upload(2, model_file_bytes(shapes, 2))
+    killed = ModelUpload(store, blobs.model_name(2), model_file_bytes(shapes, 2))
     assert open_uploads(weed, blobs.model_name(2)) == [killed.upload_id]
     blobs.prune([], [], models_before=0, grace_s=3600)
     assert open_uploads(weed, blobs.model_name(2)) == [killed.upload_id]
@@ -577,13 +580,14 @@ def test_a_rounds_deltas_are_opened_side_by_side(weed: SeaweedFS, tmp_path: Path
         return read_head(name, length)
 
     store.read_head = gated  # type: ignore[method-assign]
-    opened = blobs.open_many(refs)
-    assert [h.name for h in opened] == [blobs.blob_name(k, s) for k, s in refs]
-    assert [float(h.get_tensor("w.0")[0, 0]) for h in opened] == [0.0, 1.0, 2.0]
+    names = [blobs.blob_name(k, s) for k, s in refs]
+    opened = LocalMerger(tmp_path / "models", store)._open(names)
+    assert [h.name for h in opened] == names  # type: ignore[union-attr]
+    assert [float(h.get_tensor("w.0")[0, 0]) for h in opened] == [0.0, 1.0, 2.0]  # type: ignore[union-attr]
     store.read_head = read_head  # type: ignore[method-assign]
-    missing = (digest_file(tmp_path / f"{SITES[0]}.safetensors"), "nobody")
+    missing = blobs.blob_name(refs[0][0], "nobody")
     with pytest.raises(FileNotFoundError, match="blobs/nobody/"):
-        blobs.open_many([refs[0], missing])
+        open_objects(store, [names[0], missing])
 
 
 def test_completing_an_upload_asks_the_store_no_more_than_it_must(
