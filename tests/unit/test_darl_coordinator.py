@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import sqlite3
 import subprocess
@@ -25,17 +26,29 @@ from crossfed.data.windows import read_meta
 from tests.conftest import REPO, LiveCoordinator, tiny_spec
 from tests.unit.test_coordinator_http import delta_file, global_model, wait_round_closed
 
-BLOCK = 4096  # big blocks: the tiny corpus is M = 14 of them
+#: big blocks: the tiny corpus is cut into M of them, whatever its size (the embedded corpus
+#: is the Python build's own documentation, so its windows differ from build to build)
+M = 14
 
 
-def space_of(data: Path, block_size: int = BLOCK) -> BlockSpace:
-    return BlockSpace(read_meta(data)["n_windows"], block_size, 7)
+def block_size_of(data: Path) -> int:
+    """The block size that cuts ``data``'s windows into exactly :data:`M` blocks."""
+    n_windows = read_meta(data)["n_windows"]
+    size = math.ceil(n_windows / M)
+    assert math.ceil(n_windows / size) == M, n_windows
+    return size
+
+
+def space_of(data: Path) -> BlockSpace:
+    return BlockSpace(read_meta(data)["n_windows"], block_size_of(data), 7)
 
 
 @pytest.fixture
 def darl(coordinator: LiveCoordinator, tiny_data: Path) -> LiveCoordinator:
     """A coordinator serving the tiny corpus in M = 14 blocks."""
-    coordinator.client().init_run(tiny_spec(tiny_data, block_size=BLOCK).to_dict())
+    coordinator.client().init_run(
+        tiny_spec(tiny_data, block_size=block_size_of(tiny_data)).to_dict()
+    )
     return coordinator
 
 
@@ -44,7 +57,7 @@ def darl_long_leases(coordinator: LiveCoordinator, tiny_data: Path) -> LiveCoord
     """``darl`` with leases that outlive a site process's restart however busy the machine
     (``darl``'s TTL of 2 s does not: a restart's Python start can take longer)."""
     leases = LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0, probe_share=1.0)
-    spec = tiny_spec(tiny_data, block_size=BLOCK, leases=leases)
+    spec = tiny_spec(tiny_data, block_size=block_size_of(tiny_data), leases=leases)
     coordinator.client().init_run(spec.to_dict())
     return coordinator
 
@@ -208,7 +221,7 @@ def test_a_site_of_unknown_pace_leases_a_probe_then_its_paced_share(
     coordinator: LiveCoordinator, tiny_data: Path
 ) -> None:
     """Round 1 is sized blind: a quarter of the phase each, then the step times pace."""
-    spec = tiny_spec(tiny_data, block_size=BLOCK)
+    spec = tiny_spec(tiny_data, block_size=block_size_of(tiny_data))
     spec = dataclasses.replace(spec, leases=dataclasses.replace(spec.leases, probe_share=0.25))
     coordinator.client().init_run(spec.to_dict())
     join(coordinator, "snellius", tiny_data)
@@ -226,7 +239,7 @@ def test_a_site_of_unknown_pace_leases_a_probe_then_its_paced_share(
 
 
 def test_a_run_of_one_site_is_never_probed(coordinator: LiveCoordinator, tiny_data: Path) -> None:
-    spec = tiny_spec(tiny_data, block_size=BLOCK, sites={"snellius": 1})
+    spec = tiny_spec(tiny_data, block_size=block_size_of(tiny_data), sites={"snellius": 1})
     spec = dataclasses.replace(spec, leases=dataclasses.replace(spec.leases, probe_share=0.25))
     coordinator.client().init_run(spec.to_dict())
     join(coordinator, "snellius", tiny_data)
@@ -238,7 +251,9 @@ def test_a_round_every_site_delivered_to_closes_without_waiting_out_its_join_win
 ) -> None:
     """A join window of ten minutes: two of three sites in keep the round open, the third
     closes it at once (no site of the run is left to join)."""
-    spec = tiny_spec(tiny_data, block_size=BLOCK, rounds=RoundPolicy(600.0, 3600.0))
+    spec = tiny_spec(
+        tiny_data, block_size=block_size_of(tiny_data), rounds=RoundPolicy(600.0, 3600.0)
+    )
     coordinator.client().init_run(spec.to_dict())
     g0 = global_model(coordinator, 0, tmp_path)
     for site in ("snellius", "lumi", "frontier"):

@@ -91,6 +91,22 @@ def moved(live: LiveCoordinator) -> tuple[int, int]:
     return counts["store_bytes_read"], counts["store_bytes_written"]
 
 
+def submit_round(
+    live: LiveCoordinator, reference: dict, data: Path, tmp_path: Path
+) -> dict[str, Path]:
+    """Every site of :data:`SITES` leases in round 1, then each submits a delta (all leases
+    first: the round closes once every lease is in, never between two sites)."""
+    leases = {site: join_and_lease(live, site, data) for site in SITES}
+    deltas = {}
+    for i, site in enumerate(SITES):
+        deltas[site] = delta_file(tmp_path, reference, seed=i, name=site)
+        reply = live.client(site, streams=2, blobs="s3").submit_delta(
+            1, deltas[site], inline=True, fresh=True, **fields(site, leases[site])
+        )
+        assert reply["accepted"]
+    return deltas
+
+
 def merged_here(run: WorkerRun, info: dict, deltas: dict[str, Path], tmp_path: Path) -> str:
     """The digest of generation 1 as this process's own merge makes it from round 1's
     deltas (``info``: the closed round) and the worker's generation 0."""
@@ -115,14 +131,7 @@ def test_a_round_moves_no_delta_or_model_byte_through_the_coordinator(
     one the coordinator's own merge makes from the same deltas, byte for byte."""
     live = worker_run.live
     reference = global_model(live, 0, tmp_path)
-    deltas = {}
-    for i, site in enumerate(SITES):
-        lease = join_and_lease(live, site, tiny_data)
-        deltas[site] = delta_file(tmp_path, reference, seed=i, name=site)
-        reply = live.client(site, streams=4, blobs="s3").submit_delta(
-            1, deltas[site], inline=True, fresh=True, **fields(site, lease)
-        )
-        assert reply["accepted"]
+    deltas = submit_round(live, reference, tiny_data, tmp_path)
     info = wait_round_closed(live, 1)
     assert sorted(d["site"] for d in info["deltas"]) == SITES
     assert moved(live) == (0, 0)
@@ -201,14 +210,7 @@ def test_a_worker_killed_mid_merge_loses_nothing(
     monkeypatch.setenv("CROSSFED_CRASH_ONCE", str(tmp_path / "crashed"))
     worker_run.restart_worker()
     monkeypatch.delenv("CROSSFED_CRASH_AT")
-    deltas = {}
-    for i, site in enumerate(SITES):
-        lease = join_and_lease(live, site, tiny_data)
-        deltas[site] = delta_file(tmp_path, reference, seed=i, name=site)
-        reply = live.client(site, streams=2, blobs="s3").submit_delta(
-            1, deltas[site], inline=True, fresh=True, **fields(site, lease)
-        )
-        assert reply["accepted"]
+    deltas = submit_round(live, reference, tiny_data, tmp_path)
     assert worker_run.worker.wait(timeout=60) == -9  # it died at the crash point
     assert live.client().round_info(1)["status"] == "open"
     worker_run.restart_worker()  # the crash happened once: this one runs through
