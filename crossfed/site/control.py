@@ -196,20 +196,29 @@ class Control:
         there is none or the coordinator refuses (the lease expired meanwhile, or another
         job of this site took it first)."""
         here = site_prefix(self.site, round_no)
-        mine = [
-            lease
-            for lease in self.client.status()["active_leases"]
-            if lease["site"] == self.site and lease["round"] == round_no
-        ]
-        if not mine:
-            return None
-        lease = mine[0]
-        try:
-            reply = self.client.adopt(lease["lease_id"], self.site, lease["consumed"], rtt)
-        except Refused as exc:
-            if exc.status >= 500 or exc.status in (401, 403):
-                raise
-            log.info("%s could not take over lease %d: %s", here, lease["lease_id"], exc.code)
+        for look in range(2):
+            mine = [
+                lease
+                for lease in self.client.status()["active_leases"]
+                if lease["site"] == self.site and lease["round"] == round_no
+            ]
+            if not mine:
+                return None
+            lease = mine[0]
+            try:
+                reply = self.client.adopt(lease["lease_id"], self.site, lease["consumed"], rtt)
+                break
+            except Refused as exc:
+                if exc.status >= 500 or exc.status in (401, 403):
+                    raise
+                if exc.code == "bad_progress" and look == 0:
+                    # the progress moved since the status: most likely this job's own
+                    # adoption, whose reply was lost and whose retry carried the old
+                    # progress; look again (what a job starting now would do)
+                    continue
+                log.info("%s could not take over lease %d: %s", here, lease["lease_id"], exc.code)
+                return None
+        else:
             return None
         log.info(
             "%s took over lease %d (%d blocks), held by a previous job",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -17,14 +18,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from crossfed.client.http import CoordinatorClient
 from crossfed.config import load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.windows import read_meta
 from crossfed.site import SiteRunner, block_end, out_of_time
+from crossfed.site.control import Control
 from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
+from tests.helpers.lost_reply import LostReply
 
 
 def site_config(tmp_path: Path, live: LiveCoordinator, data: Path, **inner) -> Path:
@@ -309,6 +313,37 @@ def test_a_delta_refused_after_a_steal_the_site_did_not_hear_of_releases_its_lea
     assert outcome.lease_id not in [lease["lease_id"] for lease in active]
     row = ledger_row(coordinator, "lumi")
     assert row["blocks_committed"] == 0 and row["blocks_lost"] == 2 and row["ttl_expiries"] == 0
+
+
+def test_a_take_over_whose_reply_was_lost_takes_the_lease_over_all_the_same(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """A restarted job takes over its dead predecessor's lease, but the reply is lost: the
+    coordinator did take it over (its progress back to 0) and the client's retry, which
+    carries the progress the job first saw, is refused ``bad_progress``. The job looks
+    again and takes the lease over at the progress it now has, instead of leaving it to
+    its TTL (120 s here, which the round would wait for)."""
+    init(coordinator, tiny_data)
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+    space = BlockSpace(read_meta(tiny_data)["n_windows"], 8, 7)
+    dead = coordinator.client("lumi")
+    dead.register("lumi", space.digest(), 2, 1.0)
+    held = dead.lease("lumi", 1, 4, 1.0, 1.0)["lease"]
+    dead.heartbeat(held["lease_id"], "lumi", 3, 1.0)  # then the job dies
+    with LostReply(coordinator.port, b"/adopt") as proxy:
+        client = CoordinatorClient(
+            f"http://127.0.0.1:{proxy.port}", coordinator.secrets["sites"]["lumi"],
+            retry_budget_s=10.0,
+        )  # fmt: skip
+        control = Control(client, settings, space, tmp_path / "lumi")
+        reply = control.take_over(1, 1.0)
+        assert proxy.lost.is_set()  # the first adoption's reply never came
+    assert reply is not None and reply["lease"]["lease_id"] == held["lease_id"]
+    assert reply["lease"]["consumed"] == 0 and reply["lease"]["n_blocks"] == 4
+    with sqlite3.connect(coordinator.state_dir / "state.sqlite") as conn:
+        adopts = conn.execute("SELECT args FROM darl_events WHERE op = 'adopt'").fetchall()
+    assert [json.loads(args)["consumed"] for (args,) in adopts] == [3, 0]
 
 
 def test_a_round_takes_the_plans_accumulation_and_a_resumed_phase_keeps_its_own(

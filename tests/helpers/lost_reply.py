@@ -1,0 +1,87 @@
+"""A TCP proxy in front of a real server that loses one reply on its way back: the request
+whose first line holds ``marker`` reaches the server (which acts on it), and its answer is
+dropped and the client's connection closed, as a reply lost to a network fault is.
+Everything else goes through untouched."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from types import TracebackType
+
+
+class LostReply:
+    """Listens on a free loopback port (:attr:`port`) and forwards to ``upstream_port``."""
+
+    def __init__(self, upstream_port: int, marker: bytes) -> None:
+        self.upstream_port, self.marker = upstream_port, marker
+        self.lost = threading.Event()  # set once the reply has been dropped
+        self._armed = True
+        self._guard = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __enter__(self) -> LostReply:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            drop = threading.Event()
+            threading.Thread(
+                target=self._requests, args=(client, upstream, drop), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._replies, args=(upstream, client, drop), daemon=True
+            ).start()
+
+    def _requests(
+        self, client: socket.socket, upstream: socket.socket, drop: threading.Event
+    ) -> None:
+        """Client to server; marks the connection whose next reply is to be lost."""
+        while data := _recv(client):
+            with self._guard:
+                if self._armed and self.marker in data.split(b"\r\n", 1)[0]:
+                    self._armed = False
+                    drop.set()
+            upstream.sendall(data)
+        _close(upstream)
+
+    def _replies(
+        self, upstream: socket.socket, client: socket.socket, drop: threading.Event
+    ) -> None:
+        """Server to client; the first reply after a marked request is swallowed, and the
+        client's connection closed."""
+        while data := _recv(upstream):
+            if drop.is_set():
+                _close(client)
+                _close(upstream)
+                self.lost.set()
+                return
+            client.sendall(data)
+        _close(client)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
