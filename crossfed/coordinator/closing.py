@@ -16,7 +16,7 @@ from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError
 from crossfed.coordinator.core import CoordinatorError, log
 from crossfed.coordinator.faults import crash_point
-from crossfed.coordinator.merger import Written
+from crossfed.coordinator.merger import Written, shape_pairs
 from crossfed.coordinator.rounds import close_decision, next_global_step
 from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences, resolve_outer
 from crossfed.coordinator.views import Views
@@ -44,7 +44,7 @@ class Closing(Views):
             with store.Transaction(self.conn):
                 store.set_meta(self.conn, "global_digest:0", digest)
                 store.set_meta(self.conn, "global_bytes:0", written.model_bytes)
-                store.set_meta(self.conn, "shapes", [[k, list(v)] for k, v in self.shapes.items()])
+                store.set_meta(self.conn, "shapes", shape_pairs(self.shapes))
                 store.set_meta(self.conn, "spec", spec.to_dict())
                 store.set_meta(self.conn, "generation", 0)
                 store.set_meta(self.conn, "global_step", 0)
@@ -164,7 +164,6 @@ class Closing(Views):
         )
         self._published(generation)
         merge_s = self.monotonic() - started - written.checkpoint_s
-        assert written.report is not None
         with self.lock:
             return self._publish(current, deltas, reason, written, merge_s)
 

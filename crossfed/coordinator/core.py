@@ -24,7 +24,7 @@ import torch
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobStore
 from crossfed.coordinator.generations import StateView
-from crossfed.coordinator.merger import LocalMerger, Merger
+from crossfed.coordinator.merger import LocalMerger, Merger, shapes_of
 from crossfed.coordinator.objectstore import ObjectStore
 from crossfed.coordinator.runspec import RunSpec
 from crossfed.coordinator.s3blobs import ObjectBlobs
@@ -180,11 +180,8 @@ class Core:
         """The last committed generation and its master's tensor names and shapes (read
         from its file's header: the tensors themselves stay on disk until a merge)."""
         generation = store.get_meta(self.conn, "generation", 0)
-        shapes = store.get_meta(self.conn, "shapes")  # None: a run from before it was stored
-        if shapes is None:
-            self.shapes = self.merger.shapes(generation)
-        else:
-            self.shapes = {str(name): tuple(shape) for name, shape in shapes}
+        pairs = store.get_meta(self.conn, "shapes")  # None: a run from before they were stored
+        self.shapes = self.merger.shapes(generation) if pairs is None else shapes_of(pairs)
         self.generation = generation
         self.open_round_no = self.current_round()["round_no"]
         return generation

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,7 +63,7 @@ class Written:
             "model_bytes": self.model_bytes,
             "checkpoint_s": self.checkpoint_s,
             "report": None if self.report is None else asdict(self.report),
-            "shapes": [[name, list(shape)] for name, shape in self.shapes.items()],
+            "shapes": shape_pairs(self.shapes),
         }
 
     @classmethod
@@ -74,7 +74,7 @@ class Written:
             model_bytes=int(data["model_bytes"]),
             checkpoint_s=float(data["checkpoint_s"]),
             report=None if report is None else OuterStepReport(**report),
-            shapes={str(name): tuple(int(n) for n in shape) for name, shape in data["shapes"]},
+            shapes=shapes_of(data["shapes"]),
         )
 
 
@@ -305,12 +305,12 @@ class RemoteMerger:
 
     def shapes(self, generation: int) -> Shapes:
         answer = self._call("GET", f"/v1/generations/{generation}/shapes")
-        return {str(name): tuple(int(n) for n in shape) for name, shape in answer["shapes"]}
+        return shapes_of(answer["shapes"])
 
     def check(self, name: str, algo: str, size: int, shapes: Shapes | None) -> Checked:
         answer = self._call("POST", "/v1/check", {
             "name": name, "algo": algo, "size": size,
-            "shapes": None if shapes is None else _shape_list(shapes),
+            "shapes": None if shapes is None else shape_pairs(shapes),
         })  # fmt: skip
         return Checked(str(answer["digest"]), int(answer["size"]), bool(answer["passed"]))
 
@@ -338,7 +338,7 @@ class RemoteMerger:
         if not all(isinstance(d, str) for d in deltas):
             raise ValueError("a merge worker reads deltas from the object store only")
         answer = self._call("POST", f"/v1/generations/{base + 1}", {
-            "base": base, "shapes": _shape_list(shapes), "deltas": list(deltas),
+            "base": base, "shapes": shape_pairs(shapes), "deltas": list(deltas),
             "tokens": list(tokens), "outer": asdict(outer), "shared_moments": shared_moments,
             "sites": list(sites), "model_object": model_object,
         })  # fmt: skip
@@ -351,8 +351,14 @@ class RemoteMerger:
         }, retry=False)  # fmt: skip
 
 
-def _shape_list(shapes: Shapes) -> list[list[Any]]:
+def shape_pairs(shapes: Shapes) -> list[list[Any]]:
+    """Tensor names and shapes as JSON keeps them, in order: ``[[name, [dims]], ...]``."""
     return [[name, list(shape)] for name, shape in shapes.items()]
+
+
+def shapes_of(pairs: Iterable[Sequence[Any]]) -> Shapes:
+    """The shapes :func:`shape_pairs` wrote."""
+    return {str(name): tuple(int(n) for n in shape) for name, shape in pairs}
 
 
 #: what the coordinator writes its generations with

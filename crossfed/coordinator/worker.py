@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from crossfed.coordinator.blobs import BlobError
 from crossfed.coordinator.guards import AuthGate
-from crossfed.coordinator.merger import LocalMerger, Written
+from crossfed.coordinator.merger import LocalMerger, Written, shape_pairs, shapes_of
 from crossfed.outer import OuterConfig
 
 log = logging.getLogger("crossfed.worker")
@@ -65,10 +65,6 @@ class RetainRequest(BaseModel):
     oldest_master: int
     oldest_global: int
     keep_start: bool
-
-
-def _shapes(pairs: list[tuple[str, list[int]]]) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(shape) for name, shape in pairs}
 
 
 def create_worker_app(merger: LocalMerger, admin_token: str) -> FastAPI:
@@ -114,11 +110,11 @@ def create_worker_app(merger: LocalMerger, admin_token: str) -> FastAPI:
     @app.get("/v1/generations/{generation}/shapes")
     def shapes(generation: int) -> dict[str, Any]:
         found = merger.shapes(generation)
-        return {"shapes": [[name, list(shape)] for name, shape in found.items()]}
+        return {"shapes": shape_pairs(found)}
 
     @app.post("/v1/check")
     def check(body: CheckRequest) -> dict[str, Any]:
-        shapes = None if body.shapes is None else _shapes(body.shapes)
+        shapes = None if body.shapes is None else shapes_of(body.shapes)
         checked = merger.check(body.name, body.algo, body.size, shapes)
         return {"digest": checked.digest, "size": checked.size, "passed": checked.passed}
 
@@ -145,7 +141,7 @@ def create_worker_app(merger: LocalMerger, admin_token: str) -> FastAPI:
                 return JSONResponse(answered[key])
             written: Written = merger.merge(
                 body.base,
-                _shapes(body.shapes),
+                shapes_of(body.shapes),
                 body.deltas,
                 body.tokens,
                 OuterConfig(**body.outer),
