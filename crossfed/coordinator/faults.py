@@ -23,8 +23,14 @@ POINTS = frozenset(
         "site_after_step",  # a site job has finished an inner step of its phase (every rank)
         "site_mid_upload",  # overlap: round r's delta is being sent while r+1 trains (rank 0)
         "site_mid_fold",  # overlap: the merged model is half folded into the weights
+        "site_awaiting_merge",  # overlap: an early phase waits for the merge, checkpointed
     }
 )
+
+
+def crash_armed(name: str) -> bool:
+    """Whether ``CROSSFED_CRASH_AT`` names the point ``name`` (for any scope)."""
+    return os.environ.get(ENV, "").split("@")[0] == name
 
 
 def crash_point(name: str, scope: str | None = None) -> None:

@@ -71,6 +71,9 @@ class Cursor:
     accumulation: int  # the phase's A: a resumed phase keeps it
     phase: PhaseState
     path: str | None = None  # the checkpoint it was read from
+    #: an early phase's (overlapped rounds, before its fold-in; generation -1): the checkpoint
+    #: holding the weights the site sent its last delta from, which the fold-in needs
+    folds_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +87,7 @@ class Cursor:
             "accumulation": self.accumulation,
             **self.phase.to_dict(),
             **({"path": self.path} if self.path else {}),
+            **({"folds_from": self.folds_from} if self.folds_from else {}),
         }
 
     @classmethod
@@ -99,6 +103,7 @@ class Cursor:
             accumulation=int(data.get("accumulation") or 0),
             phase=PhaseState.from_dict(data),
             path=data.get("path"),
+            folds_from=data.get("folds_from"),
         )
 
 
@@ -120,6 +125,9 @@ class RoundStart:
     #: an early lease (overlapped rounds): the phase starts from the site's own weights and
     #: folds the merged model in when it arrives; generation and model_path are set then
     early: bool = False
+    #: a resumed early phase: the checkpoint of the weights it folds from (its cursor's
+    #: ``folds_from``); the merged model of ``generation`` is folded in before it goes on
+    fold_from: str = ""
 
     @property
     def lease_id(self) -> int:

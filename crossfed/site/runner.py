@@ -48,7 +48,7 @@ from safetensors.torch import load_file
 
 from crossfed import moments
 from crossfed.client.http import CoordinatorClient
-from crossfed.coordinator.faults import crash_point
+from crossfed.coordinator.faults import crash_armed, crash_point
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
 from crossfed.data.windows import WindowStore
@@ -141,6 +141,9 @@ class SiteRunner:
         # from (every rank), the outcomes its sends came to, the last phase's start
         self._inflight: InFlight | None = None
         self._sent: dict[str, torch.Tensor] | None = None
+        #: the end-of-phase checkpoint holding ``_sent`` (its folder's name): an early phase's
+        #: mid-phase checkpoints name it, so a job killed before the fold-in can fold in
+        self._sent_checkpoint: str | None = None
         self._settled: list[RoundOutcome] = []
         #: called (from the sending thread) with each background send's outcome as soon as
         #: the coordinator answers it; unset, ``settled()`` hands the outcomes over
@@ -302,7 +305,7 @@ class SiteRunner:
         return replace(
             prev, generation=-1, global_step=global_step, lease=lease,
             model_path="", cursor=None, download_s=0.0, accumulation=accumulation,
-            early=True,
+            early=True, fold_from="",
         )  # fmt: skip
 
     def _lease_want(self, round_no: int, accumulation: int | None = None) -> int:
@@ -379,9 +382,10 @@ class SiteRunner:
             generation, joined["global_step"],
             f", resuming at window {cursor.phase.windows}" if cursor else "",
         )  # fmt: skip
+        folds = cursor is not None and cursor.generation < 0  # an early phase, resumed
         return RoundStart(
             generation=generation,
-            global_step=cursor.global_step if cursor else joined["global_step"],
+            global_step=cursor.global_step if cursor and not folds else joined["global_step"],
             schedule=joined["schedule"],
             flavour=joined["flavour"],
             vocab_size=joined["vocab_size"],
@@ -391,6 +395,7 @@ class SiteRunner:
             download_s=download_s,
             rtt_ms=rtt,
             accumulation=self.s.inner.accumulation,
+            fold_from=str(self.state_dir / str(cursor.folds_from)) if folds else "",
         )
 
     def _resumable(
@@ -405,8 +410,9 @@ class SiteRunner:
         if found is None or found.get("status") not in ("training", "done"):
             return None, None
         cursor = Cursor.from_dict(found)
-        if cursor.round != round_no or cursor.generation != generation:
-            if cursor.status == "training":
+        early = self._early_resumable(cursor, round_no)
+        if cursor.round != round_no or (cursor.generation != generation and not early):
+            if cursor.status == "training" and cursor.round <= round_no:
                 log.info(
                     "%s dropping the mid-phase checkpoint of round %d (now round %d)",
                     site_prefix(self.s.site), cursor.round, round_no,
@@ -414,7 +420,26 @@ class SiteRunner:
             return None, None
         assert self.control is not None
         lease = self.control.confirm(cursor, joined)
+        if lease is not None and early:
+            log.info(
+                "%s resuming the early phase of lease %d at window %d: folding in generation %d",
+                site_prefix(self.s.site, round_no), cursor.lease_id, cursor.phase.windows,
+                generation,
+            )  # fmt: skip
         return (cursor, lease) if lease is not None else (None, None)
+
+    def _early_resumable(self, cursor: Cursor, round_no: int) -> bool:
+        """Whether ``cursor`` is a mid-phase checkpoint of an early phase of ``round_no``
+        (trained from the site's own weights, killed before its fold-in) whose fold-in
+        weights are still on disk: the open round's generation is the merged model that
+        phase was waiting for, so the job folds it in and goes on."""
+        return (
+            cursor.round == round_no
+            and cursor.status == "training"
+            and cursor.generation < 0
+            and bool(cursor.folds_from)
+            and (self.state_dir / str(cursor.folds_from)).is_dir()
+        )
 
     def _resume_pending(self, round_no: int) -> RoundOutcome | None:
         """A checkpointed but unsent delta from a killed job: send it again (idempotent)."""
@@ -463,6 +488,20 @@ class SiteRunner:
                 checkpoint.load(newest, self.model, self.optimizer, weights=False)
         self._restored = True
 
+    def _fold_on_resume(self, start: RoundStart) -> dict[str, torch.Tensor]:
+        """A resumed early phase (its cursor's weights restored): fold in the merged model as
+        the killed job would have, from the weights it sent its last delta from (read from
+        the checkpoint ``start.fold_from``). Collective; returns the merged moments."""
+        assert self.model is not None and start.cursor is not None
+        theta = full_parameters(self.model)
+        checkpoint.load_weights(start.fold_from, self.model)
+        sent = full_parameters(self.model)
+        tensors = load_file(start.model_path)
+        folded = fold_in(theta, sent, moments.without_moments(tensors), self.s.overlap)
+        load_full_parameters(self.model, folded)
+        del theta, sent, folded
+        return moments.only_moments(tensors)
+
     def adopt_moments(self, merged: dict[str, torch.Tensor]) -> None:
         """Rescale the AdamW second moment to the merged factors a global model carries
         (``inner.second_moment: shared``; none: nothing to do). Collective."""
@@ -483,6 +522,8 @@ class SiteRunner:
             merged_moments = moments.only_moments(tensors)
             del tensors
         self._restore(start.cursor)
+        if start.fold_from:
+            merged_moments = self._fold_on_resume(start)
         self.adopt_moments(merged_moments)  # after the optimiser state is restored
         state = start.cursor.phase if start.cursor else PhaseState()
         resumed_at = state.windows
@@ -568,6 +609,7 @@ class SiteRunner:
             blocks=list(start.lease["blocks"]), generation=start.generation,
             global_step=start.global_step, site=self.s.site,
             accumulation=self.s.inner.accumulation, phase=state,
+            folds_from=self._sent_checkpoint if start.early else None,
         )  # fmt: skip
 
     def _write_checkpoint(self, cursor: Cursor) -> None:
@@ -599,7 +641,8 @@ class SiteRunner:
         params = full_parameters(self.model)
         assert self.optimizer is not None  # the factors travel with the delta (collective)
         factors = moments.state_factors(parameters_of(self.model), self.optimizer)
-        self._write_checkpoint(self._cursor(round_no, start, state, "done"))
+        done = self._cursor(round_no, start, state, "done")
+        self._write_checkpoint(done)
         pending = None
         if self.ranks.main:
             delta_path = self.dir / f"delta-r{round_no:05d}.safetensors"
@@ -631,6 +674,9 @@ class SiteRunner:
             self._saved()  # published before the delta's record: a job killed from here on
             self._write_pending(pending)  # sends the delta without training the phase again
         self._sent = params if self.overlapped else None  # what the next phase folds from
+        self._sent_checkpoint = (
+            checkpoint.path_of(self.state_dir, done.to_dict()).name if self.overlapped else None
+        )
         del params
         outcome.checkpoint_s = state.checkpoint_s + time.perf_counter() - t1
         return pending
@@ -752,6 +798,9 @@ class _Fold:
         return self.start
 
     def _wait_and_apply(self, steps: int) -> None:
+        if crash_armed("site_awaiting_merge"):  # tests only: once its checkpoint is out
+            self.r._saved()
+            crash_point("site_awaiting_merge", f"{self.r.s.site}:{self.start.lease['round']}")
         if self.r.ranks.main:
             assert self.r._inflight is not None
             self.wait_s += self.r._inflight.wait_arrived()

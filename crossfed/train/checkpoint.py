@@ -93,7 +93,7 @@ def save(
     """Write model, optimiser and ``cursor`` (collective: every rank calls), then publish it."""
     path = _prepare(state_dir, cursor, ranks)
     if path is None:
-        return _path_of(state_dir, cursor)
+        return path_of(state_dir, cursor)
     dcp.save(_state(model, optimizer), checkpoint_id=str(path))
     barrier(ranks)
     if ranks.main:
@@ -132,7 +132,7 @@ def save_in_background(
     background collectives never meet the training's."""
     path = _prepare(state_dir, cursor, ranks)
     if path is None:
-        return BackgroundSave(None, _path_of(state_dir, cursor))
+        return BackgroundSave(None, path_of(state_dir, cursor))
     written = dcp.async_save(
         _state(model, optimizer), checkpoint_id=str(path), process_group=checkpoint_group()
     )
@@ -154,7 +154,8 @@ def save_in_background(
     return BackgroundSave(published, path)
 
 
-def _path_of(state_dir: Path, cursor: dict[str, Any]) -> Path:
+def path_of(state_dir: Path, cursor: dict[str, Any]) -> Path:
+    """The folder ``cursor``'s checkpoint is (or will be) written to."""
     name = f"ckpt-r{int(cursor['round']):05d}-s{int(cursor['steps']):06d}-{cursor['status']}"
     return Path(state_dir) / name
 
@@ -162,7 +163,7 @@ def _path_of(state_dir: Path, cursor: dict[str, Any]) -> Path:
 def _prepare(state_dir: Path, cursor: dict[str, Any], ranks: Ranks) -> Path | None:
     """The folder ``cursor``'s checkpoint goes to, cleared of a torn attempt (all ranks
     wait); None when that very state is published already."""
-    path = _path_of(state_dir, cursor)
+    path = path_of(state_dir, cursor)
     barrier(ranks)  # rank 0 has published the checkpoint before (waited for on every rank)
     current = latest(state_dir)  # every rank reads it: the early return must agree
     if current is not None and Path(current["path"]).name == path.name:
@@ -181,11 +182,13 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
 def _publish(state_dir: Path, path: Path, cursor: dict[str, Any], ranks: Ranks) -> None:
     """Rank 0, once every rank's files are written: the cursor, then the pointer (the
-    checkpoint counts from here), then the older checkpoints go."""
+    checkpoint counts from here), then the older checkpoints go, but for the one the new
+    cursor ``folds_from`` (an early phase's fold-in still needs its weights)."""
     _write_json_atomic(path / CURSOR, {**cursor, "world": ranks.world})
     _write_json_atomic(state_dir / POINTER, {"checkpoint": path.name})
+    keep = {path.name, cursor.get("folds_from")}
     for old in state_dir.glob("ckpt-*"):
-        if old.name != path.name:
+        if old.name not in keep:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -206,6 +209,14 @@ def load(
     except Exception as exc:  # DCP raises several kinds for missing/mismatched entries
         raise CheckpointError(f"{path}: cannot load into this model: {exc}") from exc
     set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def load_weights(path: Path | str, model: torch.nn.Module) -> None:
+    """Load the model weights (not the optimiser state) of the checkpoint at ``path``."""
+    try:
+        dcp.load({"model": _model_state(model)}, checkpoint_id=str(path))
+    except Exception as exc:  # DCP raises several kinds for missing/mismatched entries
+        raise CheckpointError(f"{path}: cannot load into this model: {exc}") from exc
 
 
 def discard(state_dir: Path, ranks: Ranks) -> None:

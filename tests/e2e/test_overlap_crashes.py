@@ -5,7 +5,9 @@ once at a crash point (crossfed.coordinator.faults) and is started again:
 
 (a) ``site_mid_upload``: round 1's delta is about to be sent while round 2 would train;
 (b) ``site_mid_fold``: round 1's merged model half folded into round 2's early phase;
-(c) ``site_after_step``: after the first step of round 2's early phase, round 1 still open.
+(c) ``site_after_step``: after the first step of round 2's early phase, round 1 still open;
+(d) ``site_awaiting_merge``: round 2's early phase checkpointed and waiting for round 1's
+    merge (its lead spent), round 1 still open.
 
 The crashing site is snellius, a subprocess. frontier is a real SiteRunner in this process
 that leases each round at once but trains it only when the test lets it (``HeldBack``): its
@@ -13,7 +15,10 @@ live lease keeps the round open, so snellius is a round ahead when it dies, and 
 waits for snellius's restarted job to lease it. After the restart the run completes; the
 restarted job, back within the leases' TTL, takes over the early lease its predecessor held
 (trained or not) instead of letting it expire, so the crash loses no block; the resent
-delta of (a) is accepted once, and no block is committed twice.
+delta of (a) is accepted once, and no block is committed twice. In (d) the restarted job
+goes on from the early phase's checkpoint instead of training the lease again: it folds
+round 1's merged model into the checkpoint's weights, from the weights it sent round 1's
+delta from (the end-of-phase checkpoint of round 1, kept for that).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from crossfed.darl.ledger import COMMITTED_TABLE
 from crossfed.site.job import site_settings
 from crossfed.site.loop import ChainSettings, run_chain
 from crossfed.site.records import PendingDelta
+from crossfed.train import checkpoint
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec
 from tests.unit.test_site_overlap import HeldBack, overlap_config
 
@@ -51,7 +57,13 @@ class Crash:
     """One crash scenario: the run, the crashing site's jobs and the held-back site."""
 
     def __init__(
-        self, coordinator: LiveCoordinator, data: Path, tmp_path: Path, point: str, ttl_s: float
+        self,
+        coordinator: LiveCoordinator,
+        data: Path,
+        tmp_path: Path,
+        point: str,
+        ttl_s: float,
+        checkpoint_every: int = 0,
     ) -> None:
         self.live, self.tmp = coordinator, tmp_path
         # a dead job's lease lives ttl_s: long enough for a restarted job to resend in time
@@ -61,7 +73,8 @@ class Crash:
             leases=LeasePolicy(min_ttl_s=ttl_s, initial_ttl_s=ttl_s),
         )
         coordinator.client().init_run(spec.to_dict())
-        self.config = overlap_config(tmp_path, coordinator, data)
+        # checkpoint_every 0: no mid-phase checkpoint, a killed phase is trained anew
+        self.config = overlap_config(tmp_path, coordinator, data, checkpoint_every=checkpoint_every)
         self.config_path = tmp_path / "config.yaml"
         self.env = {
             **os.environ,
@@ -221,8 +234,7 @@ class Crash:
 
 @pytest.fixture
 def crash(request, coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path):
-    point, ttl_s = request.param
-    scenario = Crash(coordinator, tiny_data, tmp_path, point, ttl_s)
+    scenario = Crash(coordinator, tiny_data, tmp_path, *request.param)
     try:
         yield scenario
     finally:
@@ -308,3 +320,38 @@ def test_killed_mid_phase_of_an_early_lease_the_restarted_job_takes_it_over(cras
     assert early["consumed"] == 0  # one step in: no block of it trained to the end
     crash.restart(range(2, ROUNDS + 1))
     check_taken_over(crash, early)
+
+
+@pytest.mark.parametrize(
+    "crash", [(f"site_awaiting_merge@{SITE}:2", 20.0, 1)], indirect=True, ids=["awaiting_merge"]
+)
+def test_killed_awaiting_the_merge_the_restarted_job_resumes_the_early_phase(crash: Crash) -> None:
+    # frontier trains round 1 only after snellius died: round 1 open, so snellius's early
+    # phase of round 2 spent its lead (a quarter of the phase), checkpointed (after every
+    # step) and waited
+    held = crash.first_job_dies(lambda: False)
+    assert crash.admin.status()["round"] == 1
+    (early,) = [x for x in held if x["round"] == 2]
+    state_dir = crash.tmp / "results" / "sites" / SITE / "state"
+    cursor = checkpoint.latest(state_dir)
+    assert cursor is not None and (cursor["round"], cursor["status"]) == (2, "training")
+    assert cursor["generation"] == -1 and cursor["lease_id"] == early["lease_id"]
+    leased = 8 * len(cursor["blocks"])  # blocks of 8 windows
+    assert cursor["windows"] == 4 < leased  # one step of four windows in
+    kept = state_dir / cursor["folds_from"]  # round 1's end: the weights it sent from
+    assert kept.is_dir() and kept.name.startswith("ckpt-r00001-") and "done" in kept.name
+    crash.restart(range(2, ROUNDS + 1))
+    record = crash.round_record(2)
+    assert record["lease_id"] == early["lease_id"]
+    assert record["extra"]["resumed_at_window"] == cursor["windows"]  # not trained again
+    assert record["generation"] == 1  # measured against round 1's merged model
+    assert record["windows"] == leased and record["steps"] == leased // 4
+    said = (crash.tmp / "second.log").read_text(errors="replace")
+    assert f"resuming the early phase of lease {early['lease_id']}" in said
+    assert f"took over lease {early['lease_id']}" not in said
+    row = {r["site"]: r for r in crash.admin.ledger()}[SITE]
+    assert (row["blocks_lost"], row["ttl_expiries"]) == (0, 0)
+    deltas = crash.check_exactly_once()
+    (carried,) = [d for d in deltas if d["lease_id"] == early["lease_id"]]
+    assert carried["round_no"] == 2 and carried["steps"] == leased // 4
+    assert not kept.exists()  # once folded in, its weights are no longer kept

@@ -30,7 +30,7 @@ from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 ROUNDS = 3
 
 
-def overlap_config(tmp_path: Path, live: LiveCoordinator, data: Path) -> RunConfig:
+def overlap_config(tmp_path: Path, live: LiveCoordinator, data: Path, **inner) -> RunConfig:
     sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
     for site in sites["sites"].values():
         site.update(ranks=1, micro_batch=4, accumulation=1, slowdown=1.0)
@@ -43,6 +43,7 @@ def overlap_config(tmp_path: Path, live: LiveCoordinator, data: Path) -> RunConf
         "round_policy": {"join_window_s": 0.5},
         "overlap": {"enabled": True},
         "coordinator": {"url": live.url, "secrets": str(live.state_dir / "secrets.yaml")},
+        **({"inner": inner} if inner else {}),
     }
     return load_run_config(write_yaml(tmp_path / "config.yaml", config))
 

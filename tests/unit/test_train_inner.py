@@ -270,6 +270,35 @@ def test_checkpoint_pointer_names_only_complete_checkpoints(
         checkpoint.latest(tmp_path)
 
 
+def test_an_early_phase_checkpoint_keeps_the_weights_its_fold_in_needs_until_it_folds(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """Overlapped rounds: an early phase's checkpoints name the end-of-phase checkpoint the
+    site sent its last delta from (``folds_from``); that one stays until a checkpoint no
+    longer names it, and its weights load alone (the optimiser state untouched)."""
+    store = WindowStore.open(tiny_data, "train")
+    model = _model(store.vocab_size)
+    optimizer = make_optimizer(model, InnerConfig(), lr=1e-3)
+    done = {"round": 1, "status": "done", "steps": 4, "windows": 16}
+    sent = checkpoint.save(tmp_path, model, optimizer, done, Ranks())
+    sent_weights = {k: v.clone() for k, v in parameters_of(model).items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the early phase trains on
+    early = {"round": 2, "status": "training", "steps": 1, "windows": 4, "generation": -1}
+    checkpoint.save(tmp_path, model, optimizer, {**early, "folds_from": sent.name}, Ranks())
+    checkpoint.save(
+        tmp_path, model, optimizer, {**early, "steps": 2, "folds_from": sent.name}, Ranks()
+    )
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*"))
+    assert names == [sent.name, "ckpt-r00002-s000002-training"]
+    checkpoint.load_weights(sent, model)
+    for name, p in parameters_of(model).items():
+        assert torch.equal(p, sent_weights[name]), name
+    checkpoint.save(tmp_path, model, optimizer, {**early, "steps": 3, "generation": 1}, Ranks())
+    assert [p.name for p in tmp_path.glob("ckpt-*")] == ["ckpt-r00002-s000003-training"]
+
+
 def test_a_background_checkpoint_holds_the_state_of_its_call_while_training_goes_on(
     tiny_data: Path, tmp_path: Path
 ) -> None:
