@@ -67,7 +67,11 @@ Where the bench differs from the workflow: every site leases exactly H steps of 
 every round (the workflow's round 1 is a probe of a quarter phase, and later leases follow
 each site's pace), sites train one after another in one process, and the overlap row's
 merged model arrives a fixed tau steps into the phase (the workflow's arrives when the merge
-is done, at most ``overlap.max_stale`` of the phase in).
+is done, at most ``overlap.max_stale`` of the phase in). A DARL block is 16 consecutive
+windows (``--block-size``; the workflow's ``data.block_size`` is 8), so at B=4 a site's step
+trains a quarter of one block, where a real site's step spans many blocks: ``--block-size 1``
+is the closer setting, and there centralised training gains more than the sites
+(docs/quality.md, "The order of a site's windows").
 
     .venv/bin/python bench/quality.py --threads 1 --jobs 3    # hours on 2 cores
     .venv/bin/python bench/quality.py --threads 1 --jobs 3 --inner-steps 25   # H=25 only
@@ -499,7 +503,7 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
     S, B, T = args.sites, args.batch, args.steps_by_h[H]
     lengths = round_lengths(H, T, args.early_rounds, args.early_h)
     R = len(lengths)
-    space = BlockSpace(store.n_windows, 16, seed=1234 + seed)
+    space = BlockSpace(store.n_windows, args.block_size, seed=1234 + seed)
     plan = site_windows(space, S, B, lengths, R)
     schedule = LRSchedule(
         peak_lr=args.lr,
@@ -591,6 +595,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--sites", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="B per site per step")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="K consecutive windows of the corpus per DARL block")  # fmt: skip
     parser.add_argument("--regime", choices=REGIMES, default="long",
                         help="long: the workflow's H=25 (40 rounds) and the paper's H=100 (20 "
                         "rounds), about an hour on 2 cores; short: H=3 and 5 over 150 steps, "
@@ -757,6 +763,7 @@ def main() -> None:
         "model": "tiny",
         "sites": S,
         "batch_per_site": B,
+        "block_size": args.block_size,
         "regime": args.regime,
         "inner_steps": args.inner_steps,
         "optimiser_steps": {str(H): T for H, T in args.steps_by_h.items()},

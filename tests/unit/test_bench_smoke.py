@@ -120,9 +120,10 @@ SMOKES = [
     Smoke(
         "bench/quality.py",
         "--vocab-size 512 --seq-len 32 --batch 1 --inner-steps 1 2 --steps 2 --seeds 0 "
-        "--eval-windows 4 --threads 1",
+        "--eval-windows 4 --threads 1 --block-size 4",
         (
             "ratio",
+            "block_size",
             "solo_over_centralised",
             "overlap_over_plain",
             "ratio_h1",
