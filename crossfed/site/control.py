@@ -283,7 +283,8 @@ class Control:
         ]
         if not live:
             log.info(
-                "%s lease %d of the mid-phase checkpoint has expired; training anew",
+                "%s lease %d of the checkpoint is no longer live (committed, expired or "
+                "released); leasing anew",
                 here,
                 cursor.lease_id,
             )
