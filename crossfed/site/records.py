@@ -75,6 +75,12 @@ class Cursor:
     #: holding the weights the site sent its last delta from, which the fold-in needs
     folds_from: str | None = None
 
+    @property
+    def before_fold_in(self) -> bool:
+        """A checkpoint of an early phase not yet folded in (trained from the site's own
+        weights): resumed, it folds the merged model in first."""
+        return self.generation < 0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "round": self.round,
@@ -125,9 +131,6 @@ class RoundStart:
     #: an early lease (overlapped rounds): the phase starts from the site's own weights and
     #: folds the merged model in when it arrives; generation and model_path are set then
     early: bool = False
-    #: a resumed early phase: the checkpoint of the weights it folds from (its cursor's
-    #: ``folds_from``); the merged model of ``generation`` is folded in before it goes on
-    fold_from: str = ""
 
     @property
     def lease_id(self) -> int:

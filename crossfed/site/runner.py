@@ -305,7 +305,7 @@ class SiteRunner:
         return replace(
             prev, generation=-1, global_step=global_step, lease=lease,
             model_path="", cursor=None, download_s=0.0, accumulation=accumulation,
-            early=True, fold_from="",
+            early=True,
         )  # fmt: skip
 
     def _lease_want(self, round_no: int, accumulation: int | None = None) -> int:
@@ -382,7 +382,7 @@ class SiteRunner:
             generation, joined["global_step"],
             f", resuming at window {cursor.phase.windows}" if cursor else "",
         )  # fmt: skip
-        folds = cursor is not None and cursor.generation < 0  # an early phase, resumed
+        folds = cursor is not None and cursor.before_fold_in  # it takes the round's step
         return RoundStart(
             generation=generation,
             global_step=cursor.global_step if cursor and not folds else joined["global_step"],
@@ -395,7 +395,6 @@ class SiteRunner:
             download_s=download_s,
             rtt_ms=rtt,
             accumulation=self.s.inner.accumulation,
-            fold_from=str(self.state_dir / str(cursor.folds_from)) if folds else "",
         )
 
     def _resumable(
@@ -436,7 +435,7 @@ class SiteRunner:
         return (
             cursor.round == round_no
             and cursor.status == "training"
-            and cursor.generation < 0
+            and cursor.before_fold_in
             and bool(cursor.folds_from)
             and (self.state_dir / str(cursor.folds_from)).is_dir()
         )
@@ -491,10 +490,10 @@ class SiteRunner:
     def _fold_on_resume(self, start: RoundStart) -> dict[str, torch.Tensor]:
         """A resumed early phase (its cursor's weights restored): fold in the merged model as
         the killed job would have, from the weights it sent its last delta from (read from
-        the checkpoint ``start.fold_from``). Collective; returns the merged moments."""
+        the checkpoint its cursor ``folds_from``). Collective; returns the merged moments."""
         assert self.model is not None and start.cursor is not None
         theta = full_parameters(self.model)
-        checkpoint.load_weights(start.fold_from, self.model)
+        checkpoint.load_weights(self.state_dir / str(start.cursor.folds_from), self.model)
         sent = full_parameters(self.model)
         tensors = load_file(start.model_path)
         folded = fold_in(theta, sent, moments.without_moments(tensors), self.s.overlap)
@@ -522,7 +521,7 @@ class SiteRunner:
             merged_moments = moments.only_moments(tensors)
             del tensors
         self._restore(start.cursor)
-        if start.fold_from:
+        if start.cursor is not None and start.cursor.before_fold_in:
             merged_moments = self._fold_on_resume(start)
         self.adopt_moments(merged_moments)  # after the optimiser state is restored
         state = start.cursor.phase if start.cursor else PhaseState()

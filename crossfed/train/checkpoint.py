@@ -204,17 +204,20 @@ def load(
     state: dict[str, Any] = {"optim": get_optimizer_state_dict(model, optimizer)}
     if weights:
         state["model"] = _model_state(model)
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # DCP raises several kinds for missing/mismatched entries
-        raise CheckpointError(f"{path}: cannot load into this model: {exc}") from exc
+    _load_into(state, path)
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 def load_weights(path: Path | str, model: torch.nn.Module) -> None:
     """Load the model weights (not the optimiser state) of the checkpoint at ``path``."""
+    _load_into({"model": _model_state(model)}, path)
+
+
+def _load_into(state: dict[str, Any], path: Path | str) -> None:
+    """DCP's load of ``path`` into ``state`` in place; a checkpoint that does not fit is a
+    :class:`CheckpointError` naming it."""
     try:
-        dcp.load({"model": _model_state(model)}, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path))
     except Exception as exc:  # DCP raises several kinds for missing/mismatched entries
         raise CheckpointError(f"{path}: cannot load into this model: {exc}") from exc
 
