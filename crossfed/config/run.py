@@ -196,6 +196,7 @@ class OverlapSection(Section):
     rule: str
     alpha: float
     max_stale: float
+    stale_burst: float
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,7 @@ def site_settings(
             rule=overlap.rule,
             alpha=overlap.alpha,
             max_stale=overlap.max_stale,
+            stale_burst=overlap.stale_burst,
         ),
         lease_wait_s=config.darl.initial_ttl_s + config.round_policy.join_window_s + 30.0,
     )

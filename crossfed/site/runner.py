@@ -88,7 +88,7 @@ from crossfed.train.inner import (
     run_inner_phase,
 )
 from crossfed.train.model import build_model, flops_per_token, parameters_of
-from crossfed.train.overlap import MergeWaits, fold_in
+from crossfed.train.overlap import MergeWaits, StaleBudget, fold_in
 from crossfed.train.schedule import LRSchedule, round_steps
 from crossfed.wire.codecs import save_delta
 from crossfed.wire.tensors import open_tensors
@@ -150,6 +150,8 @@ class SiteRunner:
         self.on_settled: Callable[[RoundOutcome], None] | None = None
         self.chained = False
         self._merge_waits = MergeWaits(settings.overlap.max_stale)  # long ones: said once
+        #: how far the next early phase may train before it waits for the merge
+        self._stale_budget = StaleBudget(settings.overlap.max_stale, settings.overlap.stale_burst)
         #: the last round the driving loop trains (None: the run's last)
         self.through_round: int | None = None
         self._last_start: RoundStart | None = None
@@ -541,6 +543,7 @@ class SiteRunner:
         try:
             state = self._train(round_no, fold, state, beat)
             start = fold.finish(state)
+            self._stale_budget.spend(fold.stale_share(state.steps))
             outcome = self._outcome(round_no, start, state)
             fold.account(outcome)
             if self.ranks.main:  # rank 0 alone waits for the merge
@@ -760,10 +763,11 @@ class _Fold:
     An early phase starts from the site's own weights. Between steps rank 0 checks whether
     the merged model of the previous round has arrived, and tells every rank; they then fold
     it in (crossfed.train.overlap) and the phase's generation, reference model and global
-    step become the merged ones, so its delta is measured against them. No more than
-    ``overlap.max_stale`` of the phase's steps run before the fold-in: if the merged model
-    has not arrived by then (or by the phase's end), the phase waits for it (idle), folds
-    it in and goes on.
+    step become the merged ones, so its delta is measured against them. No more of the
+    phase's steps run before the fold-in than the site's stale budget allows
+    (``overlap.max_stale``, and up to ``overlap.stale_burst`` more out of what earlier
+    phases left unused): if the merged model has not arrived by then (or by the phase's
+    end), the phase waits for it (idle), folds it in and goes on.
     """
 
     def __init__(self, runner: SiteRunner, start: RoundStart) -> None:
@@ -771,13 +775,22 @@ class _Fold:
         self.schedule = _ShiftedSchedule(LRSchedule(**start.schedule))
         self.step: int | None = None  # the phase's step at which it folded (0: before any)
         self.stale_steps: int | None = None  # steps allowed before the fold-in (None: all)
+        self.phase_steps = 0
         self.wait_s = 0.0
         self.download_s = 0.0
 
     def limit(self, phase_steps: int) -> None:
-        """The phase has ``phase_steps`` steps: at most ``max_stale`` of them before it folds."""
-        share = self.r.s.overlap.max_stale
+        """The phase has ``phase_steps`` steps: at most the share the site's stale budget
+        allows (``max_stale``, more when earlier phases folded sooner) before it folds."""
+        self.phase_steps = phase_steps
+        share = self.r._stale_budget.allowed()
         self.stale_steps = max(1, math.ceil(share * phase_steps)) if share < 1 else None
+
+    def stale_share(self, steps: int) -> float:
+        """The share of the phase's steps taken before the fold-in (0: none, or an
+        ordinary phase); ``steps``, the steps it took, when it folded at its end."""
+        folded_at = self.step if self.step is not None else 0
+        return min(1.0, folded_at / max(1, self.phase_steps, steps))
 
     def between_steps(self, state: PhaseState) -> None:
         if not self.start.early:

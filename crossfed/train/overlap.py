@@ -20,9 +20,14 @@ Two published rules, with ``theta`` the site's weights when the merged model arr
   (1 - alpha) * merged``.
 
 A phase takes at most ``max_stale`` of its steps (default a quarter) before the fold-in; if
-the merged model has not arrived by then it waits for it there, so the staleness of any step
-is bounded (the quality benchmark measures a fold after half a phase at 1.0% above plain
-rounds, against 3.8% for one at its end).
+the merged model has not arrived by then it waits for it there, so the staleness of the
+steps is bounded (the quality benchmark measures a fold after half a phase at 1.0% above
+plain rounds, against 3.8% for one at its end). The bound holds on the mean, not every phase:
+what earlier phases left unused of their ``max_stale`` (they folded in sooner) accrues, up
+to ``stale_burst``, and a phase whose merge is late spends it before it waits
+(:class:`StaleBudget`). A merge held up once (a site killed and restarted, a stalled
+upload) is then trained through instead of idled through, while a merge late every round
+(a long link) still folds at ``max_stale``.
 
 Pure: tensors in, tensors out; the runner applies the result to its model.
 """
@@ -52,6 +57,9 @@ class OverlapConfig:
     #: the share of a phase's steps it may take before the merged model is folded in; past
     #: it the phase waits for the merge (1: the whole phase, folding at its end)
     max_stale: float = 0.25
+    #: how much further than ``max_stale`` (a share of the phase) a phase may go before the
+    #: fold-in on the share earlier phases left unused; 0: every phase waits at max_stale
+    stale_burst: float = 0.75
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -62,6 +70,10 @@ class OverlapConfig:
             raise OverlapConfigError(f"overlap.alpha must be in [0, 1], got {self.alpha}")
         if not 0.0 < self.max_stale <= 1.0:
             raise OverlapConfigError(f"overlap.max_stale must be in (0, 1], got {self.max_stale}")
+        if not 0.0 <= self.stale_burst <= 1.0:
+            raise OverlapConfigError(
+                f"overlap.stale_burst must be in [0, 1], got {self.stale_burst}"
+            )
 
     @classmethod
     def of(cls, raw: Mapping[str, object] | bool | None) -> OverlapConfig:
@@ -72,19 +84,49 @@ class OverlapConfig:
             return cls(enabled=raw)
         if not isinstance(raw, Mapping):
             raise OverlapConfigError(f"overlap must be true, false or a mapping, got {raw!r}")
-        unknown = sorted(set(raw) - {"enabled", "rule", "alpha", "max_stale"})
+        unknown = sorted(set(raw) - {"enabled", "rule", "alpha", "max_stale", "stale_burst"})
         if unknown:
             raise OverlapConfigError(f"unknown overlap setting(s): {', '.join(unknown)}")
         enabled = raw.get("enabled", True)
         if not isinstance(enabled, bool):
             raise OverlapConfigError(f"overlap.enabled must be true or false, got {enabled!r}")
         numbers = {}
-        for key, default in (("alpha", 0.5), ("max_stale", 0.25)):
+        for key, default in (("alpha", 0.5), ("max_stale", 0.25), ("stale_burst", 0.75)):
             value = raw.get(key, default)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise OverlapConfigError(f"overlap.{key} must be a number, got {value!r}")
             numbers[key] = float(value)
         return cls(enabled=enabled, rule=str(raw.get("rule", "rebase")), **numbers)
+
+
+@dataclass
+class StaleBudget:
+    """How far into a phase a site may train before it waits for the merged model.
+
+    A token bucket of phase shares: every phase earns ``max_stale`` and spends the share of
+    its steps it took before the fold-in (0 for one that started from the merged model);
+    what is left accrues up to ``burst``. A phase may go ``max_stale`` plus what has accrued
+    (at most the whole phase) before it waits. Over any n phases the steps taken before
+    their fold-ins are then at most ``n * max_stale + burst`` phases' worth: the bound
+    ``max_stale`` sets holds on the mean, and a merge late every round folds at
+    ``max_stale`` as with no burst at all. A job starts with the bucket full.
+    """
+
+    max_stale: float
+    burst: float
+    credit: float = -1.0  # below 0: full
+
+    def __post_init__(self) -> None:
+        if self.credit < 0:
+            self.credit = self.burst
+
+    def allowed(self) -> float:
+        """The share of the next phase's steps it may take before the fold-in."""
+        return min(1.0, self.max_stale + self.credit)
+
+    def spend(self, share: float) -> None:
+        """A phase took ``share`` of its steps before its fold-in (0 for none)."""
+        self.credit = min(self.burst, max(0.0, self.credit + self.max_stale - share))
 
 
 @torch.no_grad()

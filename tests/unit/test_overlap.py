@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossfed.config import ConfigError, load_run_config
-from crossfed.train.overlap import MergeWaits, OverlapConfig, OverlapConfigError, fold_in
+from crossfed.train.overlap import (
+    MergeWaits,
+    OverlapConfig,
+    OverlapConfigError,
+    StaleBudget,
+    fold_in,
+)
 from tests.conftest import write_yaml
 
 values = st.lists(st.floats(-4, 4, allow_nan=False, width=32), min_size=3, max_size=3)
@@ -56,12 +62,60 @@ def test_bad_overlap_settings_name_the_problem(tmp_path) -> None:
         "rule": "rebase",
         "alpha": 0.5,
         "max_stale": 0.25,
+        "stale_burst": 0.75,
     }
     plain = load_run_config(write_yaml(tmp_path / "off.yaml", {"overlap": {"enabled": False}}))
     assert plain.overlap.enabled is False
     assert load_run_config(None).overlap.enabled is True  # on by default
     with pytest.raises(OverlapConfigError, match=r"overlap.max_stale must be in \(0, 1\]"):
         OverlapConfig.of({"max_stale": 0})
+    with pytest.raises(OverlapConfigError, match=r"overlap.stale_burst must be in \[0, 1\]"):
+        OverlapConfig.of({"stale_burst": 1.5})
+    with pytest.raises(OverlapConfigError, match="overlap.stale_burst must be a number"):
+        OverlapConfig.of({"stale_burst": "lots"})
+    path = write_yaml(tmp_path / "burst.yaml", {"overlap": {"stale_burst": -0.1}})
+    with pytest.raises(ConfigError, match="stale_burst"):
+        load_run_config(path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    max_stale=st.floats(0.05, 1.0),
+    burst=st.floats(0.0, 1.0),
+    late=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40),
+)
+def test_the_stale_budget_bounds_the_mean_and_lends_what_earlier_phases_left(
+    max_stale, burst, late
+) -> None:
+    """Each phase takes what it wants before its fold-in (``late``), up to what the budget
+    allows: over any run of phases the total is at most max_stale a phase plus the burst,
+    and a phase is never held to less than max_stale."""
+    budget = StaleBudget(max_stale, burst)
+    taken = []
+    for want in late:
+        allowed = budget.allowed()
+        assert min(1.0, max_stale) <= allowed <= min(1.0, max_stale + burst) + 1e-12
+        taken.append(min(want, allowed))
+        budget.spend(taken[-1])
+    for i in range(len(taken)):
+        for j in range(i + 1, len(taken) + 1):
+            assert sum(taken[i:j]) <= (j - i) * max_stale + burst + 1e-9
+
+
+def test_the_stale_budget_trains_through_one_late_merge_not_a_late_merge_every_round() -> None:
+    budget = StaleBudget(0.25, 0.75)
+    assert budget.allowed() == 1.0  # a job starts with the bucket full
+    budget.spend(1.0)  # a merge held up by a restart: the whole phase trained before it
+    assert budget.allowed() == 0.25
+    for _ in range(3):  # late every round (a long link): a quarter in, as without a burst
+        budget.spend(budget.allowed())
+        assert budget.allowed() == 0.25
+    for _ in range(3):  # merges in time again: what they leave unused accrues
+        budget.spend(0.0)
+    assert budget.allowed() == 1.0
+    strict = StaleBudget(0.25, 0.0)
+    strict.spend(0.0)
+    assert strict.allowed() == 0.25
 
 
 def test_long_merge_waits_are_named_once_when_they_persist() -> None:

@@ -30,7 +30,9 @@ from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 ROUNDS = 3
 
 
-def overlap_config(tmp_path: Path, live: LiveCoordinator, data: Path, **inner) -> RunConfig:
+def overlap_config(
+    tmp_path: Path, live: LiveCoordinator, data: Path, overlap: dict | None = None, **inner
+) -> RunConfig:
     sites = yaml.safe_load((REPO / "config" / "sites.yaml").read_text())
     for site in sites["sites"].values():
         site.update(ranks=1, micro_batch=4, accumulation=1, slowdown=1.0)
@@ -41,7 +43,7 @@ def overlap_config(tmp_path: Path, live: LiveCoordinator, data: Path, **inner) -
         "data": {"dir": str(data), "block_size": 8, "seed": 7},
         "darl": {"heartbeat_s": 0.3, "initial_ttl_s": 60},
         "round_policy": {"join_window_s": 0.5},
-        "overlap": {"enabled": True},
+        "overlap": {"enabled": True, **(overlap or {})},
         "coordinator": {"url": live.url, "secrets": str(live.state_dir / "secrets.yaml")},
         **({"inner": inner} if inner else {}),
     }
@@ -86,11 +88,13 @@ def start_pair(
     held: dict[str, dict[int, threading.Event]],
     runners: dict[str, SiteRunner] | None = None,
     accumulation_for: Callable[[str, int], int | None] = lambda site, round_no: None,
+    overlap: dict | None = None,
 ) -> tuple[Outcomes, dict[str, object], list[BaseException], list[threading.Thread]]:
     """A run of two sites, snellius and frontier, each a real runner in a chain of its own
     (a thread), held back by ``held[site]``: their outcomes by round, their chains, the
     errors they met and the threads, started (the runners go into ``runners``; the plans give
-    ``site`` the accumulation ``accumulation_for(site, round)`` where that is not None)."""
+    ``site`` the accumulation ``accumulation_for(site, round)`` where that is not None;
+    ``overlap``: the config's overlap settings beside ``enabled``)."""
     spec = tiny_spec(
         data,
         sites={name: 1 for name in SITES},
@@ -98,7 +102,7 @@ def start_pair(
         leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0, probe_share=1.0),
     )
     live.client().init_run(spec.to_dict())
-    config = overlap_config(tmp_path, live, data)
+    config = overlap_config(tmp_path, live, data, overlap)
     sites = load_sites(config)
     outcomes: Outcomes = {name: {} for name in held}
     chains: dict[str, object] = {}
@@ -142,6 +146,7 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     outcomes, chains, errors, threads = start_pair(
         coordinator, tiny_data, tmp_path, held, runners,
         lambda site, r: new_a if site == "snellius" and r >= 2 else None,
+        overlap={"stale_burst": 0},  # every phase folds a quarter in at the latest
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while not gate.is_set() and time.monotonic() < deadline and not errors:
@@ -170,7 +175,8 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
         assert all(o.status == "accepted" for o in outcomes[name].values()), outcomes[name]
     ahead = outcomes["snellius"][2]
     # round 2 was leased while round 1 waited for frontier: the merge had not arrived when
-    # a quarter of its 4 steps, rounded up, were done (overlap.max_stale), so it waited (idle)
+    # a quarter of its 4 steps, rounded up, were done (overlap.max_stale, with no stale
+    # burst to spend), so it waited (idle)
     # there, folded the merged model in after step 1 and trained the other three from it
     assert ahead.merge_wait_s > 0 and ahead.fold_step == 1 and ahead.steps == 4
     assert ahead.generation == client.round_info(2)["generation"]  # measured against g+1
@@ -206,7 +212,12 @@ def test_a_site_that_waits_for_the_merge_round_after_round_is_told_what_hides_it
     round, so snellius waits at the fold-in of rounds 2 and 3 (a long link's round trip of
     the weights, as it looks to a site): its job warns once, naming the settings that hide
     the wait; frontier, which never waits, says nothing. (The waits here are short on a
-    tiny model: the threshold in seconds is lifted, the share of the phase is kept.)"""
+    tiny model: the threshold in seconds is lifted, the share of the phase is kept.)
+
+    With the workflow's stale budget (``overlap.stale_burst``, the bucket full as the job
+    starts) snellius trains all of round 2's phase before it waits, which spends the
+    budget: round 3's late merge is waited for a quarter into the phase
+    (``overlap.max_stale``), as every phase's is when the merge is late round after round."""
     monkeypatch.setattr(overlap, "LONG_WAIT_S", 0.0)
     gates = {1: threading.Event(), 2: threading.Event()}  # frontier's rounds 1 and 2
     with caplog.at_level(logging.WARNING, logger="crossfed.site"):
@@ -225,6 +236,8 @@ def test_a_site_that_waits_for_the_merge_round_after_round_is_told_what_hides_it
     assert not errors, errors
     waited = {r: o.merge_wait_s for r, o in outcomes["snellius"].items()}  # type: ignore[attr-defined]
     assert waited[2] > 0 and waited[3] > 0, waited
+    folded = {r: (o.fold_step, o.steps) for r, o in outcomes["snellius"].items()}  # type: ignore[attr-defined]
+    assert folded[2] == (4, 4) and folded[3] == (1, 4), folded
     said = [r.getMessage() for r in caplog.records if "for the merged model" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("[snellius r3]"), said
     assert "overlap.max_stale" in said[0] and "inner.steps" in said[0]
