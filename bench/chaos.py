@@ -628,13 +628,15 @@ def audit(state: Path, root: Path) -> dict[str, Any]:
     lost = 0
     for epoch in range(book.epoch):  # finished epochs: every block merged
         lost += space.n_blocks - sum(1 for e, _ in merged if e == epoch)
-    cover = np.zeros(space.n_blocks, dtype=np.int64)  # current epoch: a place for each block
-    for start, end in book.committed_spans() + book.pool_spans():
-        cover[start:end] += 1
-    for lease in book.active_leases():
-        cover[lease.start : lease.end] += 1
-    lost += int((cover == 0).sum())
-    duplicated += int((cover > 1).sum())
+    for epoch in book.open_epochs():  # the current epoch (and one leased ahead): a place each
+        cover = np.zeros(space.n_blocks, dtype=np.int64)
+        for start, end in book.committed_spans(epoch) + book.pool_spans(epoch):
+            cover[start:end] += 1
+        for lease in book.active_leases():
+            if lease.epoch == epoch:
+                cover[lease.start : lease.end] += 1
+        lost += int((cover == 0).sum())
+        duplicated += int((cover > 1).sum())
     journal = read_journals(root)
     leased = {r["lease_id"]: r for r in journal if r["event"] == "lease"}
     acked = {r["lease_id"]: r for r in journal if r["event"] == "accepted"}

@@ -269,11 +269,16 @@ class Refused(Exception):
 
 @dataclass
 class LedgerReplay:
-    """The lease book rebuilt from the event log: positions are pooled, leased or committed."""
+    """The lease book rebuilt from the event log: positions are pooled, leased or committed.
+
+    Two epochs may be open: a grant marked ``ahead`` (an early lease) that finds the current
+    epoch's positions all leased or committed takes the next epoch's lowest pooled run.
+    """
 
     n_blocks: int
     epoch: int = 0
-    owner: np.ndarray = field(init=False)
+    owner: np.ndarray = field(init=False)  # the current epoch's positions
+    owner_ahead: np.ndarray | None = None  # the next epoch's, once a grant leased ahead
     leases: dict[int, Lease] = field(default_factory=dict)
     active: dict[int, Lease] = field(default_factory=dict)
     registered: set[str] = field(default_factory=set)
@@ -320,26 +325,35 @@ class LedgerReplay:
             raise Refused(f"lease {lease_id} belongs to {lease.site!r}")
         return lease
 
+    def _owners(self, epoch: int) -> np.ndarray:
+        if epoch == self.epoch:
+            return self.owner
+        if epoch == self.epoch + 1 and self.owner_ahead is not None:
+            return self.owner_ahead
+        raise Refused(f"epoch {epoch} is not open")
+
     def _live(self, lease: Lease, now: float) -> None:
-        if lease.epoch != self.epoch:
+        if lease.epoch != self.epoch and not (
+            lease.epoch == self.epoch + 1 and self.owner_ahead is not None
+        ):
             raise Refused(f"lease {lease.lease_id} is from epoch {lease.epoch}")
         if lease.status != "active" or now >= lease.expires_at:
             raise Refused(f"lease {lease.lease_id} is {lease.status}, expires {lease.expires_at}")
 
-    def _new_lease(self, site: str, args: dict[str, Any], start: int, end: int) -> None:
+    def _new_lease(self, site: str, args: dict[str, Any], start: int, end: int, epoch: int) -> None:
         lease = Lease(
-            self.next_id, site, int(args["round_no"]), self.epoch, start, end,
+            self.next_id, site, int(args["round_no"]), epoch, start, end,
             float(args["now"]) + float(args["ttl_s"]), float(args["ttl_s"]),
             int(args.get("ranks") or 1),
         )  # fmt: skip
         self.next_id += 1
         self.leases[lease.lease_id] = self.active[lease.lease_id] = lease
-        self.owner[start:end] = lease.lease_id
+        self._owners(epoch)[start:end] = lease.lease_id
         self.figures(site).granted += end - start
 
     def _give_back(self, lease: Lease, start: int, status: str | None) -> None:
         """Positions [start, end) of ``lease`` go back to the pool; close it with ``status``."""
-        self.owner[start : lease.end] = POOLED
+        self._owners(lease.epoch)[start : lease.end] = POOLED
         self.figures(lease.site).reclaimed += lease.end - start
         if status is not None:
             lease.status = status
@@ -356,12 +370,16 @@ class LedgerReplay:
         want = int(args["n_blocks"])
         if want < 1:
             raise Refused(f"n_blocks {want}")
-        pooled = self.owner == POOLED
+        epoch, pooled = self.epoch, self.owner == POOLED
+        if not pooled.any() and args.get("ahead"):
+            if self.owner_ahead is None:
+                self.owner_ahead = np.full(self.n_blocks, POOLED, dtype=np.int64)
+            epoch, pooled = self.epoch + 1, self.owner_ahead == POOLED
         if not pooled.any():
             return  # pool empty: no lease
         start = int(np.argmax(pooled))
         run = int(np.argmin(pooled[start:])) if not pooled[start:].all() else self.n_blocks - start
-        self._new_lease(site, args, start, start + min(run, want))
+        self._new_lease(site, args, start, start + min(run, want), epoch)
 
     def _on_steal(self, seq: int, args: dict[str, Any]) -> None:
         site = args["site"]
@@ -375,14 +393,14 @@ class LedgerReplay:
         for lease in self.active.values():  # ascending lease id
             trained = lease.consumed + max(0, ahead.get(lease.lease_id, 0))
             lease_rest = lease.end - lease.start - trained - 1
-            if lease.site != site and lease_rest > rest:
+            if lease.site != site and lease.epoch == self.epoch and lease_rest > rest:
                 victim, rest = lease, lease_rest
         if victim is None:
             return
         tail = rest - rest // 2
         victim.end -= tail
         self.figures(victim.site).granted -= tail
-        self._new_lease(site, args, victim.end, victim.end + tail)
+        self._new_lease(site, args, victim.end, victim.end + tail, self.epoch)
 
     def _on_heartbeat(self, seq: int, args: dict[str, Any]) -> None:
         lease = self._owned(int(args["lease_id"]), args["site"])
@@ -425,7 +443,7 @@ class LedgerReplay:
         if consumed > lease.end - lease.start:
             raise Refused(f"consumed {consumed} > {lease.end - lease.start} blocks")
         cut = lease.start + consumed
-        self.owner[lease.start : cut] = COMMITTED
+        self._owners(lease.epoch)[lease.start : cut] = COMMITTED
         for position in range(lease.start, cut):
             self.commits[lease.epoch, position] += 1
         self.figures(lease.site).committed += consumed
@@ -450,7 +468,10 @@ class LedgerReplay:
     def _on_next_epoch(self, seq: int, args: dict[str, Any]) -> None:
         if not (self.owner == COMMITTED).all():
             raise Refused(f"epoch {self.epoch} has {(self.owner != COMMITTED).sum()} blocks open")
-        self.owner[:] = POOLED
+        if self.owner_ahead is None:
+            self.owner[:] = POOLED
+        else:
+            self.owner, self.owner_ahead = self.owner_ahead, None
         self.epoch += 1
 
 
@@ -678,6 +699,8 @@ def _check_sums(
             tokens[delta["site"]] += delta["tokens"]
     audited = Counter(site for _, _, site, _ in audit)
     total_blocks = ledger.epoch * ledger.n_blocks + int((ledger.owner == COMMITTED).sum())
+    if ledger.owner_ahead is not None:
+        total_blocks += int((ledger.owner_ahead == COMMITTED).sum())
     merged_tokens = sum(
         (json.loads(r["report"] or "{}").get("tokens") or 0)
         for n, r in rounds.items()

@@ -70,8 +70,9 @@ class Leasing(Views):
 
         ``round_no`` is the current round or, as an *early lease* (overlapped rounds), the
         next one: the round after the open one, or after the one being merged. An early
-        lease only takes from the pool (never steals: with the pool dry the answer is
-        ``pool_empty`` and the site waits for its round to open), does not mark a first
+        lease only takes from the pool, never steals: with the epoch's pool dry it takes
+        from the next epoch's (``LeaseBook.grant``'s ``ahead``), and only with both dry is
+        the answer ``pool_empty`` (the site waits for its round to open). It does not mark a first
         lease on a round that does not exist yet (``_publish`` does when the round opens)
         and does not keep the open round from closing. Every reply carries ``early`` and
         the ``global_step`` the lease's round starts at (for an early lease a forecast
@@ -115,9 +116,10 @@ class Leasing(Views):
                 ranks = store.site_ranks(self.conn, site) or 1
                 with self._mutation():
                     args = {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
-                    lease = self._event(
-                        "grant", {**args, "n_blocks": size, "requested": n_blocks, "ranks": ranks}
-                    )
+                    grant = {**args, "n_blocks": size, "requested": n_blocks, "ranks": ranks}
+                    if early:  # at an epoch's end, from the next epoch (LeaseBook: ahead)
+                        grant["ahead"] = True
+                    lease = self._event("grant", grant)
                     if lease is None and not early:  # an early lease never steals
                         ahead = self._trained_unheard(site, now)
                         lease = self._event("steal", {**args, "ranks": ranks, "ahead": ahead})

@@ -13,6 +13,15 @@ steal for round r is refused (`already_holding`) while the site holds a lease of
 later, or holds two. A steal never takes from the thief's own other lease. A restarted job
 takes over the live lease its dead predecessor held (`adopt`) rather than waiting for its TTL.
 
+Leasing ahead (overlapped rounds): a grant asked with ``ahead=True`` (the coordinator's early
+leases of the next round) that finds the epoch's pool empty takes from the next epoch's
+positions instead, so a site that finishes at an epoch's end trains on while the epoch's
+last leases are committed, rather than idling until the epoch ends. Two epochs are then open:
+the current one and the next; every other grant and every steal still takes from the
+current epoch alone, a block that goes back to the current epoch's pool is granted before
+any further block of the next, and when the current epoch's last block is committed the
+next one becomes current, its leases as they are. Exactly once holds per (epoch, block).
+
 Per-site accounting (paper Table 3): steals move the stolen tail from the victim's
 `blocks_granted` to the thief's, so for every site
 `blocks_granted == blocks_committed + blocks_lost + blocks held in its active leases`, where
@@ -143,18 +152,87 @@ def _count(name: str, value: int, lo: int = 0) -> int:
     return int(value)
 
 
+class _Positions:
+    """One epoch's positions: committed ones, and the pool (never granted or returned)."""
+
+    def __init__(self, n_blocks: int, epoch: int) -> None:
+        self.n_blocks, self.epoch = n_blocks, epoch
+        self.committed = np.zeros(n_blocks, dtype=bool)
+        self.n_committed = 0
+        self.cursor = 0  # positions >= cursor have never been granted this epoch
+        self.returned: SortedDict = SortedDict()  # start -> end, maximal runs below cursor
+        self.pooled = n_blocks
+
+    def complete(self) -> bool:
+        return self.n_committed == self.n_blocks
+
+    def pool_spans(self) -> list[tuple[int, int]]:
+        spans = list(self.returned.items())
+        if self.cursor < self.n_blocks:
+            spans.append((self.cursor, self.n_blocks))
+        return spans
+
+    def committed_spans(self) -> list[tuple[int, int]]:
+        edges = np.flatnonzero(np.diff(self.committed.astype(np.int8), prepend=0, append=0))
+        return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+    def snapshot(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "committed_in_epoch": self.n_committed,
+            "committed": self.committed_spans(),
+            "pool": self.pool_spans(),
+        }
+
+    def commit(self, start: int, end: int) -> None:
+        self.committed[start:end] = True
+        self.n_committed += end - start
+
+    def take(self, n: int) -> tuple[int, int] | None:
+        """Remove and return the lowest pooled run, cut to at most n positions."""
+        if self.returned:
+            start, end = self.returned.popitem(0)
+            if end - start > n:
+                self.returned[start + n] = end
+                end = start + n
+        elif self.cursor < self.n_blocks:
+            start = self.cursor
+            end = self.cursor = min(self.n_blocks, start + n)
+        else:
+            return None
+        self.pooled -= end - start
+        return start, end
+
+    def give_back(self, start: int, end: int) -> None:
+        """Put [start, end) back in the pool, merging with neighbouring runs and the cursor."""
+        if end <= start:
+            return
+        self.pooled += end - start
+        runs = self.returned
+        i = runs.bisect_left(start)
+        if i > 0:
+            before = runs.peekitem(i - 1)
+            if before[1] == start:
+                start = before[0]
+                del runs[start]
+        after = runs.get(end)
+        if after is not None:
+            del runs[end]
+            end = after
+        if end == self.cursor:
+            self.cursor = start
+        else:
+            runs[start] = end
+
+
 class LeaseBook:
     """The coordinator's authoritative map of pooled, leased and committed positions."""
 
     def __init__(self, n_blocks: int, epoch: int = 0) -> None:
         self.n_blocks = _count("n_blocks", n_blocks, 1)
-        self.epoch = _count("epoch", epoch)
-        self._committed = np.zeros(self.n_blocks, dtype=bool)  # current epoch, allocated once
-        self._committed_in_epoch = 0
+        self._current = _Positions(self.n_blocks, _count("epoch", epoch))
+        self._ahead: _Positions | None = None  # the next epoch, once a grant leased ahead
         self._committed_before = 0  # committed in earlier epochs
-        self._cursor = 0  # positions >= cursor have never been granted this epoch
-        self._returned: SortedDict = SortedDict()  # start -> end, maximal runs below cursor
-        self._pooled = self.n_blocks
         self._leases: dict[int, Lease] = {}
         self._active: dict[int, Lease] = {}
         self._by_site: dict[str, list[Lease]] = {}  # a site's active leases, oldest round first
@@ -169,39 +247,46 @@ class LeaseBook:
     # ---- queries -------------------------------------------------------------------------
 
     @property
+    def epoch(self) -> int:
+        """The current epoch: the oldest with a block not yet committed."""
+        return self._current.epoch
+
+    def open_epochs(self) -> list[int]:
+        """The current epoch, and the next one once a grant has leased ahead into it."""
+        return [p.epoch for p in self._open()]
+
+    @property
     def committed_in_epoch(self) -> int:
-        return self._committed_in_epoch
+        return self._current.n_committed
 
     @property
     def committed_total(self) -> int:
-        """Blocks committed over all epochs, this one included."""
-        return self._committed_before + self._committed_in_epoch
+        """Blocks committed over all epochs, the open ones included."""
+        return self._committed_before + sum(p.n_committed for p in self._open())
 
     @property
     def pool_size(self) -> int:
-        """Positions of this epoch neither leased nor committed."""
-        return self._pooled
+        """Positions of the current epoch neither leased nor committed."""
+        return self._current.pooled
 
-    def pool_spans(self) -> list[tuple[int, int]]:
-        """The pool as sorted, disjoint, non-adjacent [start, end) spans."""
-        spans = list(self._returned.items())
-        if self._cursor < self.n_blocks:
-            spans.append((self._cursor, self.n_blocks))
-        return spans
+    def pool_spans(self, epoch: int | None = None) -> list[tuple[int, int]]:
+        """An open epoch's pool (default the current one) as sorted, disjoint,
+        non-adjacent [start, end) spans."""
+        return self._positions(epoch).pool_spans()
 
-    def committed_spans(self) -> list[tuple[int, int]]:
-        """Committed positions of this epoch as sorted [start, end) spans (O(M); for audits)."""
-        edges = np.flatnonzero(np.diff(self._committed.astype(np.int8), prepend=0, append=0))
-        return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    def committed_spans(self, epoch: int | None = None) -> list[tuple[int, int]]:
+        """An open epoch's committed positions (default the current one) as sorted
+        [start, end) spans (O(M); for audits)."""
+        return self._positions(epoch).committed_spans()
 
     def is_committed(self, position: int) -> bool:
         position = _count("position", position)
         if position >= self.n_blocks:
             raise LeaseError("bad_argument", f"position {position} >= n_blocks {self.n_blocks}")
-        return bool(self._committed[position])
+        return bool(self._current.committed[position])
 
     def epoch_complete(self) -> bool:
-        return self._committed_in_epoch == self.n_blocks
+        return self._current.complete()
 
     def lease(self, lease_id: int) -> Lease:
         return dataclasses.replace(self._get(lease_id))
@@ -234,11 +319,9 @@ class LeaseBook:
         """Everything that defines the book's behaviour, as plain data (for replay checks)."""
         return {
             "n_blocks": self.n_blocks,
-            "epoch": self.epoch,
+            **self._current.snapshot(),
             "committed_before": self._committed_before,
-            "committed_in_epoch": self._committed_in_epoch,
-            "committed": self.committed_spans(),
-            "pool": self.pool_spans(),
+            "ahead": None if self._ahead is None else self._ahead.snapshot(),
             "next_id": self._next_id,
             "leases": {i: dataclasses.asdict(v) for i, v in self._leases.items()},
             "active": sorted(self._active),
@@ -333,13 +416,16 @@ class LeaseBook:
         round_no: int,
         requested: int | None = None,
         ranks: int | None = None,
+        ahead: bool = False,
     ) -> Lease | None:
         """Lease one contiguous span of up to n_blocks from the lowest pooled position.
 
         `requested` is what the site asked for before sizing (default n_blocks); the book
         keeps it to measure the site's pace (see `grant_size`). `ranks`: the site's ranks
-        (default 1), kept on the lease. Refused (`already_holding`) while the site holds a
-        lease of `round_no` or a later round, or two leases.
+        (default 1), kept on the lease. `ahead`: with the current epoch's pool empty, take
+        from the next epoch's (see the module's "Leasing ahead"). Refused
+        (`already_holding`) while the site holds a lease of `round_no` or a later round, or
+        two leases.
         """
         stats = self._site(site)
         n_blocks = _count("n_blocks", n_blocks, 1)
@@ -349,12 +435,18 @@ class LeaseBook:
         self._check_not_holding(site, round_no)
         self._requested[site] = requested
         self._seen[site] = now
-        span = self._take(n_blocks)
+        positions = self._current
+        span = positions.take(n_blocks)
+        if span is None and ahead:
+            if self._ahead is None:
+                self._ahead = _Positions(self.n_blocks, self.epoch + 1)
+            positions = self._ahead
+            span = positions.take(n_blocks)
         if span is None:
             return None
         stats.grants += 1
         stats.blocks_granted += span[1] - span[0]
-        return self._new_lease(site, round_no, span, now, ttl_s, ranks)
+        return self._new_lease(site, round_no, span, now, ttl_s, ranks, positions.epoch)
 
     def heartbeat(
         self, lease_id: int, site: str, consumed: int, now: float, ttl_s: float | None = None
@@ -390,7 +482,8 @@ class LeaseBook:
         ranks: int | None = None,
         ahead: Mapping[int, int] | None = None,
     ) -> Lease | None:
-        """A drained site takes the untouched tail of another site's largest live lease.
+        """A drained site takes the untouched tail of another site's largest live lease of the
+        current epoch.
 
         The victim keeps its consumed blocks, the ones its holder has likely trained since it
         last said so (``ahead``, per lease id: the caller's projection from the holder's pace,
@@ -405,15 +498,17 @@ class LeaseBook:
         now, ttl_s = _finite("now", now), _finite("ttl_s", ttl_s, positive=True)
         round_no = _count("round_no", round_no)
         self._check_not_holding(site, round_no)
-        if self._pooled:
-            raise LeaseError("pool_not_empty", f"{self._pooled} blocks are pooled; grant instead")
+        if self._current.pooled:
+            pooled = self._current.pooled
+            raise LeaseError("pool_not_empty", f"{pooled} blocks are pooled; grant instead")
         self._seen[site] = now
         ahead = ahead or {}
         victim, rest = None, 0
         for lease in self._active.values():  # ascending lease id, so ties keep the oldest
             trained = lease.consumed + max(0, int(ahead.get(lease.lease_id, 0)))
             lease_rest = lease.n_blocks - trained - 1
-            if lease.site != site and lease_rest > rest:
+            mine = lease.site == site or lease.epoch != self.epoch
+            if not mine and lease_rest > rest:
                 victim, rest = lease.lease_id, lease_rest
         if victim is None:
             return None
@@ -427,7 +522,7 @@ class LeaseBook:
         stats.steals += 1
         stats.grants += 1
         stats.blocks_granted += tail
-        return self._new_lease(site, round_no, span, now, ttl_s, ranks)
+        return self._new_lease(site, round_no, span, now, ttl_s, ranks, lease.epoch)
 
     def commit(
         self, lease_id: int, site: str, consumed: int, now: float, idle_s: float = 0.0
@@ -453,9 +548,9 @@ class LeaseBook:
                 "bad_progress", f"lease {lease_id}: consumed {consumed} > {lease.n_blocks} blocks"
             )
         cut = lease.start + consumed
-        self._committed[lease.start : cut] = True
-        self._committed_in_epoch += consumed
-        self._return(cut, lease.end)
+        positions = self._positions(lease.epoch)
+        positions.commit(lease.start, cut)
+        positions.give_back(cut, lease.end)
         stats = self._stats[site]
         stats.blocks_committed += consumed
         stats.blocks_lost += lease.end - cut
@@ -476,7 +571,7 @@ class LeaseBook:
         _finite("now", now)
         if lease.status != ACTIVE:
             return 0
-        self._return(lease.start, lease.end)
+        self._positions(lease.epoch).give_back(lease.start, lease.end)
         stats = self._stats[site]
         stats.blocks_lost += lease.n_blocks
         stats.releases += 1
@@ -492,7 +587,7 @@ class LeaseBook:
             lease = self._active.get(lease_id)
             if lease is None or lease.expires_at != at:
                 continue  # stale entry: closed or refreshed since
-            self._return(lease.start, lease.end)
+            self._positions(lease.epoch).give_back(lease.start, lease.end)
             stats = self._stats[lease.site]
             stats.blocks_lost += lease.n_blocks
             stats.ttl_expiries += 1
@@ -516,20 +611,16 @@ class LeaseBook:
         return renewed
 
     def next_epoch(self) -> None:
-        """Start the next epoch with a full pool; only once every block is committed."""
+        """The next epoch becomes the current one (its leases ahead as they are, else a full
+        pool); only once every block of this one is committed."""
         if not self.epoch_complete():
             raise LeaseError(
                 "epoch_incomplete",
-                f"epoch {self.epoch}: {self._committed_in_epoch}/{self.n_blocks} committed",
+                f"epoch {self.epoch}: {self._current.n_committed}/{self.n_blocks} committed",
             )
-        self._committed_before += self._committed_in_epoch
-        self._committed_in_epoch = 0
-        self._committed[:] = False
-        self._cursor = 0
-        self._returned.clear()
-        self._pooled = self.n_blocks
-        self._expiry.clear()
-        self.epoch += 1
+        self._committed_before += self._current.n_committed
+        following = self._ahead or _Positions(self.n_blocks, self.epoch + 1)
+        self._current, self._ahead = following, None
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -599,7 +690,7 @@ class LeaseBook:
     def _live(self, lease_id: int, site: str, now: float) -> Lease:
         lease = self._owned(lease_id, site)
         now = _finite("now", now)
-        if lease.epoch != self.epoch:
+        if lease.epoch not in self.open_epochs():
             raise LeaseError("stale_epoch", f"lease {lease_id} is from epoch {lease.epoch}")
         if lease.status == COMMITTED:
             raise LeaseError("committed", f"lease {lease_id} is already committed")
@@ -616,13 +707,14 @@ class LeaseBook:
         span: tuple[int, int],
         now: float,
         ttl_s: float,
-        ranks: int | None = None,
+        ranks: int | None,
+        epoch: int,
     ) -> Lease:
         lease = Lease(
             lease_id=self._next_id,
             site=site,
             round_no=round_no,
-            epoch=self.epoch,
+            epoch=epoch,
             start=span[0],
             end=span[1],
             consumed=0,
@@ -654,41 +746,15 @@ class LeaseBook:
             self._expiry = [(v.expires_at, i) for i, v in self._active.items()]
             heapq.heapify(self._expiry)
 
-    def _take(self, n: int) -> tuple[int, int] | None:
-        """Remove and return the lowest pooled run, cut to at most n positions."""
-        if self._returned:
-            start, end = self._returned.popitem(0)
-            if end - start > n:
-                self._returned[start + n] = end
-                end = start + n
-        elif self._cursor < self.n_blocks:
-            start = self._cursor
-            end = self._cursor = min(self.n_blocks, start + n)
-        else:
-            return None
-        self._pooled -= end - start
-        return start, end
+    def _open(self) -> list[_Positions]:
+        return [self._current] if self._ahead is None else [self._current, self._ahead]
 
-    def _return(self, start: int, end: int) -> None:
-        """Put [start, end) back in the pool, merging with neighbouring runs and the cursor."""
-        if end <= start:
-            return
-        self._pooled += end - start
-        runs = self._returned
-        i = runs.bisect_left(start)
-        if i > 0:
-            before = runs.peekitem(i - 1)
-            if before[1] == start:
-                start = before[0]
-                del runs[start]
-        after = runs.get(end)
-        if after is not None:
-            del runs[end]
-            end = after
-        if end == self._cursor:
-            self._cursor = start
-        else:
-            runs[start] = end
+    def _positions(self, epoch: int | None) -> _Positions:
+        """An open epoch's positions (None: the current epoch's)."""
+        for positions in self._open():
+            if epoch is None or positions.epoch == epoch:
+                return positions
+        raise LeaseError("stale_epoch", f"epoch {epoch} is not open ({self.open_epochs()})")
 
 
 def lease_blocks(h: int, b: int, w: int, a: int, k: int) -> int:

@@ -41,7 +41,7 @@ log = logging.getLogger("crossfed.darl")
 EVENTS_TABLE = "darl_events"
 CHECKPOINT_TABLE = "darl_checkpoints"
 #: the LeaseBook layout a checkpoint holds; change it when LeaseBook's attributes change
-CHECKPOINT_FORMAT = "leasebook-pickle-2"  # 2: a site holds a list of leases
+CHECKPOINT_FORMAT = "leasebook-pickle-3"  # 2: a site holds a list of leases; 3: two open epochs
 #: events between checkpoints by default (replaying them takes about a tenth of a second)
 CHECKPOINT_EVERY = 10_000
 COMMITTED_TABLE = "darl_committed"
@@ -62,7 +62,7 @@ TABLE3_COLUMNS = [
 # op -> (required args, optional args); every op carries `now` so replay is deterministic
 OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "register": (("site", "now"), ()),
-    "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ("requested", "ranks")),
+    "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ("requested", "ranks", "ahead")),
     "heartbeat": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
     "adopt": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
     "steal": (("site", "now", "ttl_s", "round_no"), ("ranks", "ahead")),
@@ -108,7 +108,7 @@ def apply_event(book: LeaseBook, op: str, args: Mapping[str, object]) -> object:
     if op == "grant":
         return book.grant(
             a["site"], a["n_blocks"], a["now"], a["ttl_s"], a["round_no"], a.get("requested"),
-            a.get("ranks"),
+            a.get("ranks"), bool(a.get("ahead", False)),
         )  # fmt: skip
     if op == "heartbeat":
         return book.heartbeat(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))

@@ -149,11 +149,13 @@ def test_delta_decoding_is_the_coordinators(encoding: str, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("seed", range(3))
 def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
-    """Random commands (grants, steals, heartbeats, commits, releases, expiries, restarts'
-    grace, epochs) on the coordinator's LeaseBook; the checker's replay of the ones it took
-    ends with the same leases and the same per-site counts."""
+    """Random commands (grants, early ones leasing ahead into the next epoch, steals,
+    heartbeats, commits, releases, expiries, restarts' grace, epochs) on the coordinator's
+    LeaseBook; the checker's replay of the ones it took ends with the same leases and the
+    same per-site counts."""
     rng = random.Random(seed)
     book, taken, now, round_no = LeaseBook(23), [], 0.0, 1
+    leased_ahead: list[tuple[Any, int]] = []  # each grant, with the epoch current at it
     for _ in range(2000):
         now += rng.uniform(0.0, 3.0)
         round_no += rng.random() < 0.02
@@ -166,6 +168,8 @@ def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
             args.update(ttl_s=rng.uniform(2, 20), round_no=round_no + rng.randint(0, 1))
             if op == "grant":
                 args.update(n_blocks=rng.randint(1, 6))
+                if rng.random() < 0.5:  # an early lease: from the next epoch at an epoch's end
+                    args.update(ahead=True)
             else:  # blocks the coordinator judged each holder trained since its heartbeat
                 unheard = {str(x.lease_id): rng.randint(0, 2) for x in book.active_leases()}
                 args.update(ahead=unheard)
@@ -177,9 +181,12 @@ def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
             if op != "release":
                 args.update(consumed=rng.randint(lease.consumed, lease.end - lease.start))
         try:
-            apply_event(book, op, args)
+            epoch = book.epoch
+            got = apply_event(book, op, args)
         except LeaseError:
             continue
+        if op == "grant" and got is not None:
+            leased_ahead.append((got, epoch))
         taken.append((op, args))
         if book.epoch_complete():
             apply_event(book, "next_epoch", {"now": now})
@@ -194,6 +201,7 @@ def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
         i: tuple(getattr(lease, f) for f in fields) for i, lease in replay.leases.items()
     }
     assert sum(s["steals"] for s in snapshot["stats"].values()) > 0
+    assert any(lease.epoch > epoch for lease, epoch in leased_ahead)  # the ahead path ran
     for site, stats in snapshot["stats"].items():
         mine = replay.figures(site)
         assert (mine.granted, mine.committed, mine.reclaimed) == (

@@ -427,18 +427,56 @@ def test_a_steal_leaves_a_fast_victim_what_it_trained_since_its_heartbeat(
     assert ledger(darl)["lumi"]["blocks_granted"] == 0
 
 
-def test_an_early_lease_never_steals(darl: LiveCoordinator, tiny_data: Path) -> None:
+def test_an_early_lease_at_an_epochs_end_leases_ahead_and_never_steals(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """With the epoch's pool dry, an early lease takes the next epoch's first blocks instead
+    of idling its site until the epoch ends (or stealing); a lease of the open round still
+    steals from the current epoch only. A block of the current epoch that goes back to the
+    pool is granted before any more of the next; the next epoch's lease commits in its own
+    epoch, its blocks counted once, and becomes current's when the epoch rolls over."""
+    space = space_of(tiny_data)
+    g0 = global_model(darl, 0, tmp_path)
     join(darl, "snellius", tiny_data)
     join(darl, "lumi", tiny_data)
-    big = lease(darl, "snellius", 14)  # the whole pool
+    join(darl, "frontier", tiny_data)
+    big = lease(darl, "snellius", 14)  # the whole pool of epoch 0
     reply = early(darl, "lumi", 4)
-    assert reply["lease"] is None and reply["reason"] == "pool_empty" and reply["early"] is True
-    assert list(active(darl)) == [big["lease_id"]]
-    assert active(darl)[big["lease_id"]]["n_blocks"] == 14  # untouched
-    # a lease of the open round, with the pool as dry, does steal
-    stolen = lease(darl, "lumi", 4)
-    assert stolen is not None and stolen["round"] == 1
-    assert active(darl)[big["lease_id"]]["n_blocks"] < 14
+    ahead = reply["lease"]
+    assert reply["early"] is True and (ahead["epoch"], ahead["round"]) == (1, 2)
+    assert ahead["blocks"] == space.permutation(1)[:4].tolist()
+    assert active(darl)[big["lease_id"]]["n_blocks"] == 14  # untouched: nothing stolen
+    # a lease of the open round, with the epoch's pool as dry, steals from epoch 0
+    stolen = lease(darl, "frontier", 4)
+    assert stolen["epoch"] == 0 and stolen["blocks"] == big["blocks"][7:]
+    assert active(darl)[big["lease_id"]]["n_blocks"] == 7
+    assert active(darl)[ahead["lease_id"]]["n_blocks"] == 4  # a steal never takes ahead
+    # snellius commits 5 of its 7: the other 2 go back to epoch 0's pool and come first
+    done = commit(darl, "snellius", {**big, "n_blocks": 7}, delta_file(tmp_path, g0, name="a"),
+                  consumed=5)  # fmt: skip
+    assert done["accepted"] and darl.client().status()["epoch"] == 0
+    again = early(darl, "snellius", 4)["lease"]
+    assert (again["epoch"], again["blocks"]) == (0, big["blocks"][5:7])
+    assert commit(darl, "frontier", stolen, delta_file(tmp_path, g0, seed=1, name="b"))
+    wait_round_closed(darl, 1)
+    # epoch 0 ends when its last block is committed, in round 2: epoch 1 becomes current
+    # with lumi's lease of it as it is, and the pool goes on after it
+    assert commit(darl, "snellius", again, delta_file(tmp_path, g0, seed=2, name="c"),
+                  round_no=2, generation=1)  # fmt: skip
+    status = darl.client().status()
+    assert status["epoch"] == 1 and status["blocks_committed_total"] == 14
+    assert active(darl)[ahead["lease_id"]]["epoch"] == 1
+    nxt = lease(darl, "frontier", 3, round_no=2)  # sized by its pace: 3 or more
+    end = 4 + nxt["n_blocks"]
+    assert (nxt["epoch"], nxt["blocks"]) == (1, space.permutation(1)[4:end].tolist())
+    assert commit(darl, "lumi", ahead, delta_file(tmp_path, g0, seed=3, name="d"),
+                  round_no=2, generation=1)  # fmt: skip
+    rows = audit(darl)
+    assert sorted(b for e, b, _, _ in rows if e == 0) == list(range(14))  # each once
+    assert sorted(b for e, b, _, _ in rows if e == 1) == sorted(ahead["blocks"])
+    assert darl.client().status()["blocks_committed_in_epoch"] == 4
+    table = ledger(darl)
+    assert table["total"]["blocks_committed"] == 18 and table["total"]["blocks_lost"] == 2
 
 
 def test_an_early_lease_whose_ttl_lapses_returns_only_its_blocks(

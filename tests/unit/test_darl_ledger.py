@@ -288,6 +288,8 @@ class LeaseModel(RuleBasedStateMachine):
 
     Sites hold up to two leases, one per round (overlapped rounds): a live lease of round r
     and an early one of round r + 1 while the coordinator's round moves on (`next_round`).
+    An early lease leases ahead: with the epoch's pool dry it takes from the next epoch's,
+    so two epochs may be open at once, each with its own pool and committed positions.
     """
 
     @initialize(n_blocks=st.integers(1, 30), seed=st.integers(0, 2**64 - 1))
@@ -299,8 +301,8 @@ class LeaseModel(RuleBasedStateMachine):
         self.book = LeaseBook(n_blocks)
         self.now = 0.0
         self.epoch = 0
-        self.pool = set(range(n_blocks))
-        self.committed: set[int] = set()
+        self.pools = {0: set(range(n_blocks))}  # per open epoch
+        self.done: dict[int, set[int]] = {0: set()}  # committed positions per open epoch
         self.leases: dict[int, dict] = {}  # active leases only
         self.last_commit: dict[str, tuple[int, int]] = {}  # site -> (lease_id, consumed)
         self.crashed: set[str] = set()
@@ -356,21 +358,30 @@ class LeaseModel(RuleBasedStateMachine):
         self.crashed.discard(site)
         self.bump(site, entries=1)
 
-    def grant_to(self, site, n, ttl, round_no):
+    def grant_to(self, site, n, ttl, round_no, ahead=False):
         args = dict(site=site, n_blocks=n, now=self.now, ttl_s=ttl, round_no=round_no)
+        if ahead:
+            args["ahead"] = True
         if not self.may_lease(site, round_no):
             return self.refused("already_holding", "grant", **args)
         lease = self.do("grant", **args)
-        if not self.pool:
+        epoch = self.epoch
+        if not self.pools[epoch] and ahead:  # the next epoch's pool, opened by the first
+            epoch += 1
+            self.pools.setdefault(epoch, set(range(self.n)))
+            self.done.setdefault(epoch, set())
+        pool = self.pools[epoch]
+        if not pool:
             assert lease is None
             return
-        start = min(self.pool)
+        start = min(pool)
         end = start
-        while end in self.pool and end - start < n:
+        while end in pool and end - start < n:
             end += 1
-        assert (lease.start, lease.end, lease.site) == (start, end, site)
-        self.pool -= set(range(start, end))
+        assert (lease.start, lease.end, lease.site, lease.epoch) == (start, end, site, epoch)
+        pool -= set(range(start, end))
         self.leases[lease.lease_id] = dict(
+            epoch=epoch,
             site=site,
             start=start,
             end=end,
@@ -390,11 +401,12 @@ class LeaseModel(RuleBasedStateMachine):
             return self.refused("expired", "commit", **args)
         res = self.do("commit", **args)
         assert (res.committed, res.returned, res.already) == (consumed, end - start - consumed, 0)
-        blocks = self.space.blocks(start, start + consumed, epoch=self.epoch)
-        self.ledger.record_commit_blocks(self.epoch, site, lease_id, blocks)
+        epoch = lease["epoch"]
+        blocks = self.space.blocks(start, start + consumed, epoch=epoch)
+        self.ledger.record_commit_blocks(epoch, site, lease_id, blocks)
         del self.leases[lease_id]
-        self.committed |= set(range(start, start + consumed))
-        self.pool |= set(range(start + consumed, end))
+        self.done[epoch] |= set(range(start, start + consumed))
+        self.pools[epoch] |= set(range(start + consumed, end))
         self.committed_total += consumed
         self.last_commit[site] = (lease_id, consumed)
         self.bump(site, committed=consumed, lost=end - start - consumed)
@@ -409,14 +421,14 @@ class LeaseModel(RuleBasedStateMachine):
     def grant(self, data, n, ttl, ahead):
         """A lease of the current round, the next (an early lease) or the one before."""
         site = data.draw(st.sampled_from(self.live_sites()))
-        self.grant_to(site, n, ttl, max(0, self.round + ahead))
+        self.grant_to(site, n, ttl, max(0, self.round + ahead), ahead=ahead == 1)
 
     @rule(data=st.data(), n=st.integers(1, 16), ttl=st.sampled_from([1.0, 3.0, 10.0]))
     @precondition(lambda self: any(len(self.held(s)) == 1 for s in self.live_sites()))
     def early_grant(self, data, n, ttl):
         """A site that holds one lease takes its second, for the round after that lease's."""
         site = data.draw(st.sampled_from([s for s in self.live_sites() if len(self.held(s)) == 1]))
-        self.grant_to(site, n, ttl, self.held(site)[0][1]["round"] + 1)
+        self.grant_to(site, n, ttl, self.held(site)[0][1]["round"] + 1, ahead=True)
 
     @rule()
     def next_round(self):
@@ -432,7 +444,7 @@ class LeaseModel(RuleBasedStateMachine):
                 self.grant_to(site, n, 10.0, self.round)
                 continue
             if len(held) == 1:
-                self.grant_to(site, n, 10.0, held[0][1]["round"] + 1)
+                self.grant_to(site, n, 10.0, held[0][1]["round"] + 1, ahead=True)
             self.commit_lease(held[0][0], full=True)
 
     @rule(data=st.data(), step=st.integers(0, 4), ttl=st.sampled_from([None, 2.0, 10.0]))
@@ -493,7 +505,7 @@ class LeaseModel(RuleBasedStateMachine):
         assert sorted(x.lease_id for x in dead) == want
         for lease_id in want:
             lease = self.leases.pop(lease_id)
-            self.pool |= set(range(lease["start"], lease["end"]))
+            self.pools[lease["epoch"]] |= set(range(lease["start"], lease["end"]))
             self.bump(lease["site"], lost=lease["end"] - lease["start"], expiries=1)
 
     @rule(data=st.data(), ttl=st.sampled_from([3.0, 10.0]), ahead=st.sampled_from([0, 1]))
@@ -506,14 +518,15 @@ class LeaseModel(RuleBasedStateMachine):
         args = dict(site=site, now=self.now, ttl_s=ttl, round_no=round_no, ahead=unheard)
         if not self.may_lease(site, round_no):
             return self.refused("already_holding", "steal", **args)
-        if self.pool:
+        if self.pools[self.epoch]:
             return self.refused("pool_not_empty", "steal", **args)
         best, rest = None, 0
         for lease_id in sorted(self.leases):
             lease = self.leases[lease_id]
             trained = lease["consumed"] + unheard.get(str(lease_id), 0)
             r = lease["end"] - lease["start"] - trained - 1
-            if lease["site"] != site and r > rest:  # never the thief's own other lease
+            # never the thief's own other lease, never one of the next epoch
+            if lease["site"] != site and lease["epoch"] == self.epoch and r > rest:
                 best, rest = lease_id, r
         own = {i: (v["start"], v["end"]) for i, v in self.held(site)}
         got = self.do("steal", **args)
@@ -525,8 +538,9 @@ class LeaseModel(RuleBasedStateMachine):
         tail = rest - rest // 2
         assert (got.start, got.end) == (victim["end"] - tail, victim["end"])
         victim["end"] -= tail
-        assert victim["site"] != site
+        assert victim["site"] != site and got.epoch == self.epoch
         self.leases[got.lease_id] = dict(
+            epoch=self.epoch,
             site=site,
             start=got.start,
             end=got.end,
@@ -562,7 +576,7 @@ class LeaseModel(RuleBasedStateMachine):
         lease = self.leases.pop(lease_id)
         n = self.do("release", lease_id=lease_id, site=lease["site"], now=self.now)
         assert n == lease["end"] - lease["start"]
-        self.pool |= set(range(lease["start"], lease["end"]))
+        self.pools[lease["epoch"]] |= set(range(lease["start"], lease["end"]))
         self.bump(lease["site"], lost=n)
 
     @rule(data=st.data())
@@ -599,7 +613,7 @@ class LeaseModel(RuleBasedStateMachine):
             assert got.expires_at == self.leases[got.lease_id]["expires_at"]
 
     @rule()
-    @precondition(lambda self: len(self.committed) == self.n)
+    @precondition(lambda self: len(self.done[self.epoch]) == self.n)
     def next_epoch(self):
         assert self.book.epoch_complete()
         audit = self.conn.execute(
@@ -609,8 +623,10 @@ class LeaseModel(RuleBasedStateMachine):
         ).fetchone()
         assert audit == (self.n, self.n, 0, self.n - 1)  # every block exactly once
         self.do("next_epoch", now=self.now)
-        self.epoch += 1
-        self.pool, self.committed = set(range(self.n)), set()
+        del self.pools[self.epoch], self.done[self.epoch]
+        self.epoch += 1  # the next epoch, as its leases ahead left it, or a full pool
+        self.pools.setdefault(self.epoch, set(range(self.n)))
+        self.done.setdefault(self.epoch, set())
         self.last_commit.clear()
 
     # ---- invariants
@@ -618,16 +634,21 @@ class LeaseModel(RuleBasedStateMachine):
     @invariant()
     def partition(self):
         book = self.book
-        active: list[int] = []
-        for lease in book.active_leases():
-            active.extend(range(lease.start, lease.end))
-        assert len(active) == len(set(active))  # no position in two leases
-        committed = {p for a, b in book.committed_spans() for p in range(a, b)}
-        pool = {p for a, b in book.pool_spans() for p in range(a, b)}
-        assert not committed & set(active) and not pool & set(active) and not pool & committed
-        assert committed | set(active) | pool == set(range(self.n))  # nothing lost
-        assert committed == self.committed and pool == self.pool
-        assert book.pool_size == len(pool) and book.committed_in_epoch == len(committed)
+        assert book.open_epochs() == sorted(self.pools) and book.epoch == self.epoch
+        for epoch in book.open_epochs():
+            active: list[int] = []
+            for lease in book.active_leases():
+                if lease.epoch == epoch:
+                    active.extend(range(lease.start, lease.end))
+            assert len(active) == len(set(active))  # no position in two leases
+            committed = {p for a, b in book.committed_spans(epoch) for p in range(a, b)}
+            pool = {p for a, b in book.pool_spans(epoch) for p in range(a, b)}
+            assert not committed & set(active) and not pool & set(active)
+            assert not pool & committed
+            assert committed | set(active) | pool == set(range(self.n))  # nothing lost
+            assert committed == self.done[epoch] and pool == self.pools[epoch]
+        assert book.pool_size == len(self.pools[self.epoch])
+        assert book.committed_in_epoch == len(self.done[self.epoch])
 
     @invariant()
     def leases_match(self):
@@ -635,6 +656,7 @@ class LeaseModel(RuleBasedStateMachine):
         assert set(got) == set(self.leases)
         for lease_id, want in self.leases.items():
             lease = got[lease_id]
+            assert lease.epoch == want["epoch"]
             assert (lease.site, lease.start, lease.end, lease.consumed, lease.expires_at) == (
                 want["site"],
                 want["start"],
