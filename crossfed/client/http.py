@@ -69,6 +69,10 @@ def read_responses_in_large_pieces(size: int = RESPONSE_READ_BYTES) -> None:
 
 read_responses_in_large_pieces()
 
+#: a request's first retry delay; a try held at least this long before its connection was cut
+#: (the server was there: a long poll behind a proxy that ends connections) is retried after
+#: it again, not after a delay grown by earlier misses
+HELD_TRY_S = 0.2
 #: a JSON request answered 408 (its body came too slowly) never reached its handler: resend it
 JSON_RETRY_STATUS = RETRY_STATUS | {408}
 #: refusals of one part that a resync (asking the coordinator where to resume) fixes
@@ -161,11 +165,14 @@ class CoordinatorClient:
         http: httpx.Client | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        backoff = Backoff(0.2, 5.0, jitter=True, budget_s=self.retry_budget_s, sleep=self.sleep)
+        backoff = Backoff(
+            HELD_TRY_S, 5.0, jitter=True, budget_s=self.retry_budget_s, sleep=self.sleep
+        )
         factory = kwargs.pop("content_factory", None)
         while True:
             if factory is not None:
                 kwargs["content"] = factory()
+            began = time.monotonic()
             try:
                 response = (http or self.http).request(method, path, **kwargs)
             except httpx.TransportError as exc:
@@ -176,6 +183,10 @@ class CoordinatorClient:
                 if response.status_code not in retry_status:
                     raise _refusal(response)
                 error = _refusal(response)
+            if isinstance(error, httpx.TransportError) and time.monotonic() - began >= HELD_TRY_S:
+                # the connection was held, then cut (a long poll behind a proxy that ends
+                # connections): the server is there and the try spaced itself; try again soon
+                backoff.relax()
             if not backoff.wait():
                 raise Unreachable(f"{method} {self.url}{path}: {error}") from error
 

@@ -85,3 +85,55 @@ def _close(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
+
+
+class CutConnections:
+    """A TCP proxy in front of a real server that ends every connection ``hold_s`` seconds
+    after it opens, whatever is in flight (as a proxy or NAT that cuts long connections
+    does); with ``hold_s`` 0 it closes each one at once, before anything is forwarded (a
+    server that cannot be reached). Listens on :attr:`port`."""
+
+    def __init__(self, upstream_port: int, hold_s: float) -> None:
+        self.upstream_port, self.hold_s = upstream_port, hold_s
+        self.cuts = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __enter__(self) -> CutConnections:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.cuts += 1
+            if self.hold_s <= 0:
+                _close(client)
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+            timer = threading.Timer(self.hold_s, _close_both, args=(client, upstream))
+            timer.daemon = True
+            timer.start()
+
+
+def _close_both(a: socket.socket, b: socket.socket) -> None:
+    _close(a)
+    _close(b)
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    while data := _recv(source):
+        try:
+            sink.sendall(data)
+        except OSError:
+            return

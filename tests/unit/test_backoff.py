@@ -75,6 +75,18 @@ def test_progress_restarts_the_delay_and_the_budget() -> None:
     assert clock.slept == [1.0, 2.0, 3.0, 1.0]
 
 
+def test_a_try_that_took_its_delay_by_itself_relaxes_the_delay_not_the_budget() -> None:
+    clock = Clock()
+    b = backoff(clock, first_s=1.0, cap_s=8.0, budget_s=10.0)
+    assert b.wait() and b.wait() and b.wait()  # 1 + 2 + 4 s
+    b.relax()  # the next try was held for 8 s or more before it failed
+    clock.now += 1.5  # (say the budget's clock ran on meanwhile)
+    assert b.wait()  # the first delay again, not 8 s
+    assert clock.slept == [1.0, 2.0, 4.0, 1.0]
+    assert b.wait() and clock.slept[-1] == pytest.approx(0.5)  # to the budget's end: 10 s
+    assert b.expired() and not b.wait()  # the budget was not restarted
+
+
 def test_without_a_budget_it_never_gives_up() -> None:
     clock = Clock()
     b = backoff(clock, first_s=5, cap_s=5)

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from crossfed.client.http import Refused
+from crossfed.client.http import HELD_TRY_S, CoordinatorClient, Refused, Unreachable
 from crossfed.client.reach import EndpointError
 from crossfed.coordinator.embedded import ensure_secrets, launch_coordinator, wait_until_serving
 from crossfed.darl.ledger import COMMITTED_TABLE, META_TABLE
 from tests.conftest import SITES, LiveCoordinator, digest_of, stop
+from tests.helpers.lost_reply import CutConnections
 
 
 def global_model(live: LiveCoordinator, generation: int, tmp: Path) -> dict[str, torch.Tensor]:
@@ -287,3 +288,31 @@ def test_the_ledger_is_bound_to_the_runs_block_space(run: LiveCoordinator, tiny_
     run.kill()
     run.restart()  # loading it again binds the same space: no refusal
     assert run.client().status()["round"] == 1
+
+
+@pytest.mark.parametrize("hold_s", [0.6, 0.0], ids=["held_then_cut", "cut_at_once"])
+def test_a_long_poll_whose_connections_are_cut_is_asked_again_at_once_not_later_and_later(
+    run: LiveCoordinator, hold_s: float
+) -> None:
+    """The merge's long poll (``status(after_round, wait_s)``) through a proxy that ends
+    every connection after ``hold_s``: the coordinator was holding each try when it was cut,
+    so the client asks again after its first delay every time, not after delays grown by
+    the earlier cuts (which would learn of a closed round seconds late); a server it cannot
+    reach (each connection closed at once) still gets the growing delays. Either way the
+    retry budget ends it, naming what it asked."""
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        time.sleep(seconds)
+
+    with CutConnections(run.port, hold_s) as proxy:
+        url = f"http://127.0.0.1:{proxy.port}"
+        client = CoordinatorClient(url, run.secrets["admin"], retry_budget_s=4.0, sleep=sleep)
+        with pytest.raises(Unreachable, match="/v1/status"):
+            client.status(after_round=1, wait_s=20.0)
+    assert proxy.cuts >= 3 and len(slept) >= 2
+    if hold_s:
+        assert max(slept) <= 1.5 * HELD_TRY_S  # the first delay each time (jittered)
+    else:
+        assert max(slept) > 4 * HELD_TRY_S  # grown: 0.2, 0.4, 0.8, 1.6 s ...
