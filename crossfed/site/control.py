@@ -52,8 +52,16 @@ class Heartbeat:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self, wait: bool = True) -> None:
+        """No more beats. ``wait``: until a beat under way is answered (or 30 s); without,
+        at once, for a lease that is committed or refused already, whose last beat may be
+        retrying through a failing network for seconds and no longer matters (it is refused
+        when it lands)."""
         self._stop.set()
-        self._thread.join(timeout=30)
+        if wait:
+            self._thread.join(timeout=30)
 
     def _run(self) -> None:
         echo, received = None, 0.0  # the last reply's nonce, for the coordinator's RTT

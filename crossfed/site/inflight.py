@@ -78,7 +78,9 @@ class InFlight:
                 self.send_error = exc
                 raise
             finally:
-                self.beat.__exit__(None, None, None)  # the lease is committed (or refused)
+                # the lease is committed (or refused): a beat still retrying does not hold up
+                # the wait for the merge
+                self.beat.stop(wait=False)
             try:  # the round's record is written now, whatever happens to the next phase
                 self.on_sent(self.outcome)
             except Exception:

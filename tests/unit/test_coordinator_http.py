@@ -15,6 +15,7 @@ from crossfed.client.http import HELD_TRY_S, CoordinatorClient, Refused, Unreach
 from crossfed.client.reach import EndpointError
 from crossfed.coordinator.embedded import ensure_secrets, launch_coordinator, wait_until_serving
 from crossfed.darl.ledger import COMMITTED_TABLE, META_TABLE
+from crossfed.site.control import Heartbeat
 from tests.conftest import SITES, LiveCoordinator, digest_of, stop
 from tests.helpers.lost_reply import CutConnections
 
@@ -316,3 +317,27 @@ def test_a_long_poll_whose_connections_are_cut_is_asked_again_at_once_not_later_
         assert max(slept) <= 1.5 * HELD_TRY_S  # the first delay each time (jittered)
     else:
         assert max(slept) > 4 * HELD_TRY_S  # grown: 0.2, 0.4, 0.8, 1.6 s ...
+
+
+def test_a_committed_leases_last_heartbeat_retrying_does_not_hold_up_what_comes_next(
+    run: LiveCoordinator, tiny_data: Path
+) -> None:
+    """A site's round in flight stops its lease's heartbeat once the delta is answered, and
+    then waits for the merge. A beat still retrying through a failing network (here every
+    connection closed at once, for the client's whole retry budget) is left to finish on
+    its own: ``stop(wait=False)`` returns with the beat's thread still retrying, where
+    ``stop()`` waits for it (until the budget ends it)."""
+    lease = join_and_lease(run, "snellius", tiny_data)
+    with CutConnections(run.port, 0.0) as proxy:
+        url = f"http://127.0.0.1:{proxy.port}"
+        client = CoordinatorClient(url, run.secrets["sites"]["snellius"], retry_budget_s=3.0)
+        beat = Heartbeat(client, "snellius", lease, interval_s=0.05)
+        with beat:
+            deadline = time.monotonic() + 30
+            while proxy.cuts < 2:  # a beat is under way, retrying
+                assert time.monotonic() < deadline, "no heartbeat was tried"
+                time.sleep(0.02)
+            beat.stop(wait=False)
+            assert beat._thread.is_alive()  # still retrying: not waited for
+            beat.stop()
+            assert not beat._thread.is_alive()  # its budget spent, the beat gave up
