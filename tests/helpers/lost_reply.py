@@ -1,28 +1,29 @@
-"""A TCP proxy in front of a real server that loses one reply on its way back: the request
-whose first line holds ``marker`` reaches the server (which acts on it), and its answer is
-dropped and the client's connection closed, as a reply lost to a network fault is.
-Everything else goes through untouched."""
+"""TCP proxies in front of a real server, for network faults a test aims.
+
+``LostReply`` loses one reply on its way back: the request whose first line holds ``marker``
+reaches the server (which acts on it), and its answer is dropped and the client's connection
+closed, as a reply lost to a network fault is; everything else goes through untouched.
+``CutConnections`` ends every connection a fixed time after it opens."""
 
 from __future__ import annotations
 
 import socket
 import threading
 from types import TracebackType
+from typing import Self
 
 
-class LostReply:
-    """Listens on a free loopback port (:attr:`port`) and forwards to ``upstream_port``."""
+class _Proxy:
+    """Listens on a free loopback port (:attr:`port`); each connection it accepts goes to
+    :meth:`_connect`, which decides what becomes of it."""
 
-    def __init__(self, upstream_port: int, marker: bytes) -> None:
-        self.upstream_port, self.marker = upstream_port, marker
-        self.lost = threading.Event()  # set once the reply has been dropped
-        self._armed = True
-        self._guard = threading.Lock()
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def __enter__(self) -> LostReply:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -36,14 +37,27 @@ class LostReply:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            drop = threading.Event()
-            threading.Thread(
-                target=self._requests, args=(client, upstream, drop), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._replies, args=(upstream, client, drop), daemon=True
-            ).start()
+            self._connect(client)
+
+    def _connect(self, client: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class LostReply(_Proxy):
+    """Forwards to ``upstream_port``, dropping the reply to the request marked ``marker``."""
+
+    def __init__(self, upstream_port: int, marker: bytes) -> None:
+        self.marker = marker
+        self.lost = threading.Event()  # set once the reply has been dropped
+        self._armed = True
+        self._guard = threading.Lock()
+        super().__init__(upstream_port)
+
+    def _connect(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        drop = threading.Event()
+        threading.Thread(target=self._requests, args=(client, upstream, drop), daemon=True).start()
+        threading.Thread(target=self._replies, args=(upstream, client, drop), daemon=True).start()
 
     def _requests(
         self, client: socket.socket, upstream: socket.socket, drop: threading.Event
@@ -87,43 +101,28 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
-class CutConnections:
+class CutConnections(_Proxy):
     """A TCP proxy in front of a real server that ends every connection ``hold_s`` seconds
     after it opens, whatever is in flight (as a proxy or NAT that cuts long connections
     does); with ``hold_s`` 0 it closes each one at once, before anything is forwarded (a
-    server that cannot be reached). Listens on :attr:`port`."""
+    server that cannot be reached). Counts the connections it cut (:attr:`cuts`)."""
 
     def __init__(self, upstream_port: int, hold_s: float) -> None:
-        self.upstream_port, self.hold_s = upstream_port, hold_s
+        self.hold_s = hold_s
         self.cuts = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream_port)
 
-    def __enter__(self) -> CutConnections:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            self.cuts += 1
-            if self.hold_s <= 0:
-                _close(client)
-                continue
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
-            timer = threading.Timer(self.hold_s, _close_both, args=(client, upstream))
-            timer.daemon = True
-            timer.start()
+    def _connect(self, client: socket.socket) -> None:
+        self.cuts += 1
+        if self.hold_s <= 0:
+            _close(client)
+            return
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        for source, sink in ((client, upstream), (upstream, client)):
+            threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+        timer = threading.Timer(self.hold_s, _close_both, args=(client, upstream))
+        timer.daemon = True
+        timer.start()
 
 
 def _close_both(a: socket.socket, b: socket.socket) -> None:
