@@ -214,7 +214,7 @@ class Intake(Core):
                 blocks = self.space.permutation(lease.epoch)[lease.start : lease.start + consumed]
                 self.ledger.record_commit_blocks(lease.epoch, site, lease_id, blocks.tolist())
                 store.add_delta(self.conn, **claim.row(), accepted_at=now)
-                if self.book.epoch_complete():
+                while self.book.epoch_complete():  # the next, leased ahead, may be done too
                     self._event("next_epoch", {"now": now})
         except LedgerError as exc:
             raise CoordinatorError(409, "duplicate_commit", str(exc)) from exc

@@ -408,6 +408,29 @@ def test_epochs():
     assert nxt.epoch == 1
 
 
+def test_an_epoch_leased_ahead_can_finish_first_and_then_rolls_over_at_once():
+    """Early leases take the next epoch's blocks once the current epoch's are all out; if a
+    dead site's lease holds the current epoch up long enough, the next one can be committed
+    whole first. When the current epoch ends, the next becomes current already complete, and
+    another roll starts a fresh one (the coordinator rolls while the epoch is complete)."""
+    book = book_with("a", "b", n_blocks=3)
+    stuck = book.grant("a", 3, 0.0, TTL, 1)  # the whole of epoch 0, its site about to die
+    ahead = book.grant("b", 3, 0.0, TTL, 2, ahead=True)
+    assert (ahead.epoch, ahead.start, ahead.end) == (1, 0, 3)
+    assert book.grant("b", 1, 0.5, TTL, 3, ahead=True) is None  # both pools dry: no third
+    book.commit(ahead.lease_id, "b", 3, 1.0)
+    assert book.open_epochs() == [0, 1] and not book.epoch_complete()
+    book.expire(TTL + 1.0)  # the dead site's lease: epoch 0's blocks back, granted first
+    again = book.grant("b", 3, TTL + 1.0, TTL, 3, ahead=True)
+    assert (again.epoch, again.start, again.end) == (0, 0, 3)
+    book.commit(again.lease_id, "b", 3, TTL + 2.0)
+    book.next_epoch()
+    assert book.epoch == 1 and book.epoch_complete()  # the next epoch, done already
+    book.next_epoch()
+    assert (book.epoch, book.committed_total, book.pool_spans()) == (2, 6, [(0, 3)])
+    assert stuck.epoch == 0
+
+
 def test_is_committed_bounds():
     with pytest.raises(LeaseError) as e:
         LeaseBook(3).is_committed(3)
