@@ -333,10 +333,10 @@ class LedgerReplay:
         raise Refused(f"epoch {epoch} is not open")
 
     def _live(self, lease: Lease, now: float) -> None:
-        if lease.epoch != self.epoch and not (
-            lease.epoch == self.epoch + 1 and self.owner_ahead is not None
-        ):
-            raise Refused(f"lease {lease.lease_id} is from epoch {lease.epoch}")
+        try:
+            self._owners(lease.epoch)
+        except Refused:
+            raise Refused(f"lease {lease.lease_id} is from epoch {lease.epoch}") from None
         if lease.status != "active" or now >= lease.expires_at:
             raise Refused(f"lease {lease.lease_id} is {lease.status}, expires {lease.expires_at}")
 

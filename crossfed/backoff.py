@@ -5,9 +5,9 @@ budget that progress restarts.
 A loop tries, and on a miss calls ``wait()``; ``False`` means the budget is spent (the loop
 gives up, naming what it waited for); the last sleep ends at the budget's end, for a last
 try. ``reset()`` after progress: the next delay is the first again and the budget starts
-over. ``relax()`` after a miss that took at least the next delay by itself (a request held,
-then cut, as a long poll behind a proxy that ends connections is): the tries are already
-that far apart, so the next delay is the first again; the budget runs on."""
+over. ``relax()`` after a miss that spaced itself (a request held, then cut, as a long poll
+behind a proxy that ends connections is): the next delay is the first again; the budget
+runs on."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ class Backoff:
         self.deadline = None if self.budget_s is None else self.clock() + self.budget_s
 
     def relax(self) -> None:
-        """The last try lasted at least the next delay: the next delay is the first again
-        (the budget is not restarted: no progress was made)."""
+        """The last try spaced itself (the caller judges how long is enough): the next delay
+        is the first again (the budget is not restarted: no progress was made)."""
         self.delay_s = self.first_s
 
     def expired(self) -> bool:

@@ -507,8 +507,8 @@ class LeaseBook:
         for lease in self._active.values():  # ascending lease id, so ties keep the oldest
             trained = lease.consumed + max(0, int(ahead.get(lease.lease_id, 0)))
             lease_rest = lease.n_blocks - trained - 1
-            mine = lease.site == site or lease.epoch != self.epoch
-            if not mine and lease_rest > rest:
+            off_limits = lease.site == site or lease.epoch != self.epoch
+            if not off_limits and lease_rest > rest:
                 victim, rest = lease.lease_id, lease_rest
         if victim is None:
             return None

@@ -35,7 +35,7 @@ Pure: tensors in, tensors out; the runner applies the result to its model.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -114,11 +114,10 @@ class StaleBudget:
 
     max_stale: float
     burst: float
-    credit: float = -1.0  # below 0: full
+    credit: float = field(init=False)  # the share accrued
 
     def __post_init__(self) -> None:
-        if self.credit < 0:
-            self.credit = self.burst
+        self.credit = self.burst
 
     def allowed(self) -> float:
         """The share of the next phase's steps it may take before the fold-in."""
