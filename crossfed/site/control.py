@@ -28,7 +28,12 @@ log = logging.getLogger("crossfed.site")
 
 
 class RoundClosed(Exception):
-    """The round closed (or this site already contributed) before the site could lease."""
+    """The round closed (or this site already contributed) before the site could lease:
+    ``code`` is the coordinator's, ``round_closed`` or ``already_contributed``."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 class Heartbeat:

@@ -32,16 +32,24 @@ log = logging.getLogger("crossfed.site")
 
 
 class InFlight:
-    """One sent round: its send, then the wait for the merge and the merged model's download."""
+    """One sent round: its send, then the wait for the merge and the merged model's download.
+
+    ``pending``: the delta to send (None: the coordinator holds it already, sent by a killed
+    job of this site; ``outcome`` is then the round's as it stands); ``beat``: the round's
+    lease heartbeat, stopped once the delta is answered (None: a restarted job's, whose
+    round's beat died with the killed job); ``fresh``: the delta was written by this job and
+    never sent (a resend asks whether it is held already).
+    """
 
     def __init__(
         self,
         control: Control,
-        pending: PendingDelta,
+        pending: PendingDelta | None,
         outcome: RoundOutcome,
-        beat: Heartbeat,
+        beat: Heartbeat | None,
         state_dir: Path,
         *,
+        fresh: bool = True,
         on_sent: Callable[[RoundOutcome], None] = lambda _outcome: None,
         poll_s: float = 0.5,
         wait_s: float = STATUS_WAIT_S,
@@ -49,7 +57,7 @@ class InFlight:
         self.control, self.pending, self.outcome = control, pending, outcome
         self.on_sent = on_sent
         self.beat, self.state_dir, self.poll_s, self.wait_s = beat, state_dir, poll_s, wait_s
-        self.round = pending.round
+        self.round, self.fresh = outcome.round, fresh
         self.sent = threading.Event()  # the coordinator answered the delta
         self.arrived = threading.Event()  # the merged model is on disk and in memory
         self.error: BaseException | None = None
@@ -68,19 +76,8 @@ class InFlight:
 
     def _run(self) -> None:
         try:
-            try:
-                crash_point("site_mid_upload", f"{self.control.site}:{self.round}")  # tests only
-                self.outcome = self.control.send(
-                    self.pending, self.outcome, self.state_dir, fresh=True
-                )
-                self.outcome.comms_hidden_s += self.outcome.upload_s  # beside the next phase
-            except BaseException as exc:
-                self.send_error = exc
-                raise
-            finally:
-                # the lease is committed (or refused): a beat still retrying does not hold up
-                # the wait for the merge
-                self.beat.stop(wait=False)
+            if self.pending is not None:
+                self._send(self.pending)
             try:  # the round's record is written now, whatever happens to the next phase
                 self.on_sent(self.outcome)
             except Exception:
@@ -104,6 +101,22 @@ class InFlight:
         finally:
             self.sent.set()
             self.arrived.set()
+
+    def _send(self, pending: PendingDelta) -> None:
+        try:
+            crash_point("site_mid_upload", f"{self.control.site}:{self.round}")  # tests only
+            self.outcome = self.control.send(
+                pending, self.outcome, self.state_dir, fresh=self.fresh
+            )
+            self.outcome.comms_hidden_s += self.outcome.upload_s  # beside the next phase
+        except BaseException as exc:
+            self.send_error = exc
+            raise
+        finally:
+            # the lease is committed (or refused): a beat still retrying does not hold up
+            # the wait for the merge
+            if self.beat is not None:
+                self.beat.stop(wait=False)
 
     def _await_close(self) -> dict[str, Any] | None:
         """The coordinator's status once round ``self.round`` has closed (None: stopped)."""

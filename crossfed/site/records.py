@@ -131,6 +131,10 @@ class RoundStart:
     #: an early lease (overlapped rounds): the phase starts from the site's own weights and
     #: folds the merged model in when it arrives; generation and model_path are set then
     early: bool = False
+    #: a restarted job's first early phase: the end-of-phase checkpoint of the round whose
+    #: delta it resends in the background (the killed job's), whose weights the phase starts
+    #: from and folds from (the new process holds none yet)
+    sent_from: Cursor | None = None
 
     @property
     def lease_id(self) -> int:

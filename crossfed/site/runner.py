@@ -14,7 +14,10 @@ Crash safety, in order of where a job dies:
 * after the end of the phase: the end-of-phase checkpoint is written in the background while
   the delta is (the state copied first, as mid-phase), and published before the delta's
   pending record is written; from then on a restarted job sends the delta (again: the
-  coordinator answers idempotently per lease) without training the phase again.
+  coordinator answers idempotently per lease) without training the phase again. With
+  overlapped rounds it sends it in the background (or, already answered, only waits for the
+  round's merge) and trains the next round's early lease meanwhile from that checkpoint's
+  weights, as the killed job would have (``_go_ahead``).
 
 Inner optimiser state persists across rounds, as in DiLoCo: a site that adopts a newer global
 model (the next round, or after missing rounds) keeps its AdamW moments and step count, and
@@ -42,6 +45,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -165,6 +169,10 @@ class SiteRunner:
         self.early_asks_taken = 0
         #: the accumulation the latest plan gives (None: the settings'), rank 0
         self._plan_a: int | None = None
+        #: rank 0 of a restarted job: the checkpoint the next round's early phase starts
+        #: from (the end of the killed job's phase, whose round is in flight again) or goes
+        #: on from (the killed job's early phase), ``_go_ahead``
+        self._resent: Cursor | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -251,8 +259,9 @@ class SiteRunner:
         ordinary start (once the previous round's merged model is here)."""
         inflight = self._inflight
         ask, self._ask = self._ask, None
+        resent, self._resent = self._resent, None
         if inflight is not None and not inflight.arrived.is_set():
-            early = self._prepare_early(round_no, inflight, ask)
+            early = self._prepare_early(round_no, inflight, ask, resent)
             if early is not None:
                 return early
         elif ask is not None:  # the merged model is here: the round starts ordinarily
@@ -261,16 +270,19 @@ class SiteRunner:
         return self._prepare(round_no)
 
     def _prepare_early(
-        self, round_no: int, inflight: InFlight, ask: EarlyAsk | None
+        self, round_no: int, inflight: InFlight, ask: EarlyAsk | None, resent: Cursor | None
     ) -> RoundStart | None:
         """Rank 0: lease the next round while the previous one is merged (None: no lease
         now, so the phase waits for the merge). The phase trains from the site's own weights,
         from the global step the coordinator forecasts; its generation, reference model and
         exact global step are known once the merge arrives. ``ask``: the lease asked during
-        the last phase's last step, taken if it was granted (else asked now)."""
+        the last phase's last step, taken if it was granted (else asked now); ``resent``: a
+        restarted job's (``_go_ahead``), the checkpoint its first phase starts or goes on
+        from."""
         prev = self._last_start
         assert self.control is not None
-        usable = prev is not None and round_no == inflight.round + 1 and self._sent is not None
+        own = self._sent is not None or resent is not None
+        usable = prev is not None and round_no == inflight.round + 1 and own
         taken = None
         if ask is not None:
             if usable and ask.round_no == round_no:
@@ -280,6 +292,8 @@ class SiteRunner:
         if not usable:
             return None
         assert prev is not None
+        if resent is not None and resent.round == round_no:
+            return self._resume_early(round_no, inflight, prev, resent)
         accumulation = self.s.inner.accumulation
         if taken is not None:
             lease, global_step, self._early_beat = taken
@@ -307,7 +321,29 @@ class SiteRunner:
         return replace(
             prev, generation=-1, global_step=global_step, lease=lease,
             model_path="", cursor=None, download_s=0.0, accumulation=accumulation,
-            early=True,
+            early=True, sent_from=resent,
+        )  # fmt: skip
+
+    def _resume_early(
+        self, round_no: int, inflight: InFlight, prev: RoundStart, cursor: Cursor
+    ) -> RoundStart | None:
+        """Rank 0 of a restarted job: go on with the killed job's early phase from its
+        mid-phase checkpoint while the round it waits for is merged (its fold-in comes when
+        the merged model arrives); None when the checkpoint's lease is gone (the phase then
+        waits for the merge, and the round starts as without overlap)."""
+        assert self.control is not None
+        lease = self.control.confirm(cursor, self.control.client.status())
+        if lease is None:
+            return None
+        log.info(
+            "%s resuming the early phase of lease %d at window %d while round %d is merged",
+            site_prefix(self.s.site, round_no), cursor.lease_id, cursor.phase.windows,
+            inflight.round,
+        )  # fmt: skip
+        return replace(
+            prev, generation=-1, global_step=cursor.global_step, lease=lease, model_path="",
+            cursor=cursor, download_s=0.0,
+            accumulation=cursor.accumulation or self.s.inner.accumulation, early=True,
         )  # fmt: skip
 
     def _lease_want(self, round_no: int, accumulation: int | None = None) -> int:
@@ -350,7 +386,7 @@ class SiteRunner:
         joined, rtt = control.join(round_no)
         # a coordinator from before early rounds says only the run's H
         self._inner_schedule = joined.get("inner_schedule") or {"steps": int(joined["inner_steps"])}
-        resumed = self._resume_pending(round_no)
+        resumed = self._resume_pending(round_no, joined, rtt)
         if resumed is not None:
             return resumed
         if joined["round"] != round_no:
@@ -367,12 +403,17 @@ class SiteRunner:
         if lease is None:
             try:
                 lease = control.lease(round_no, want, rtt)
-            except RoundClosed:
+            except RoundClosed as exc:
                 detail = f"round {round_no} closed before this job could lease"
-                return RoundOutcome(
+                missed = RoundOutcome(
                     self.s.site, round_no, "missed", generation=generation, rtt_ms=rtt,
                     detail=detail,
                 )  # fmt: skip
+                if exc.code == "already_contributed":  # a killed job's delta of it is in
+                    ahead = self._go_ahead(None, missed, joined, rtt)
+                    if ahead is not None:
+                        return ahead
+                return missed
         if lease is None:
             detail = "no blocks to lease or steal before the round closed"
             return RoundOutcome(
@@ -442,8 +483,11 @@ class SiteRunner:
             and (self.state_dir / str(cursor.folds_from)).is_dir()
         )
 
-    def _resume_pending(self, round_no: int) -> RoundOutcome | None:
-        """A checkpointed but unsent delta from a killed job: send it again (idempotent)."""
+    def _resume_pending(
+        self, round_no: int, joined: dict[str, Any], rtt: float
+    ) -> RoundOutcome | None:
+        """A checkpointed but unsent delta from a killed job: send it again (idempotent).
+        Of the open round, with overlapped rounds: in the background (``_go_ahead``)."""
         if not self.pending_path.exists():
             return None
         pending = PendingDelta.from_json(self.pending_path.read_text())
@@ -459,9 +503,56 @@ class SiteRunner:
             lease_id=pending.lease_id, steps=pending.steps, tokens=pending.tokens,
             loss_mean=pending.loss, compute_s=pending.compute_s,
         )  # fmt: skip
-        outcome = self._send(pending, outcome, fresh=False)
         outcome.extra["resumed"] = True
+        if pending.round == round_no:
+            ahead = self._go_ahead(pending, outcome, joined, rtt)
+            if ahead is not None:
+                return ahead
+        outcome = self._send(pending, outcome, fresh=False)
         return outcome if pending.round == round_no else None
+
+    def _go_ahead(
+        self,
+        pending: PendingDelta | None,
+        outcome: RoundOutcome,
+        joined: dict[str, Any],
+        rtt: float,
+    ) -> RoundOutcome | None:
+        """Rank 0 of a restarted job (overlapped rounds) whose killed job ended the open
+        round's phase: its delta, ``pending`` (None: the coordinator holds it already), is
+        resent in the background as this job's round in flight, and the next round's phase
+        starts at once instead of after the round closes, as the killed job's did: from the
+        weights that delta was made from (the newest checkpoint is the phase's end), or on
+        from the killed job's early phase (the newest is a mid-phase checkpoint of it, before
+        its fold-in). Either folds the merged model in when it arrives. Returns the round's
+        outcome as "sending"; None when the newest checkpoint is neither, and the round goes
+        on as without overlap."""
+        assert self.control is not None
+        found = checkpoint.latest(self.state_dir) if self.overlapped else None
+        base = Cursor.from_dict(found) if found is not None else None
+        if base is None:
+            return None
+        early = self._early_resumable(base, outcome.round + 1)
+        ended = (base.status, base.round) == ("done", outcome.round) and (
+            pending is None or pending.lease_id == base.lease_id
+        )
+        if not (early or ended):
+            return None
+        self._inflight = InFlight(
+            self.control, pending, outcome, None, self.state_dir, fresh=False,
+            on_sent=self._send_answered,
+        )  # fmt: skip
+        self._resent = base
+        self._last_start = RoundStart(
+            generation=base.generation, global_step=int(joined["global_step"]),
+            schedule=joined["schedule"], flavour=joined["flavour"],
+            vocab_size=joined["vocab_size"],
+            lease={"lease_id": base.lease_id, "n_blocks": len(base.blocks),
+                   "blocks": list(base.blocks), "round": base.round},
+            model_path="", cursor=None, download_s=0.0, rtt_ms=rtt,
+            accumulation=base.accumulation or self.s.inner.accumulation,
+        )  # fmt: skip
+        return replace(outcome, status="sending")
 
     # ---------------------------------------------------------------- all ranks
     def _ensure_model(self, flavour: str, vocab_size: int) -> None:
@@ -477,6 +568,21 @@ class SiteRunner:
         self.model = parallelize(model, self.ranks, self.s.parallel, self.device)
         self.optimizer = make_optimizer(self.model, self.s.inner, lr=0.0)
 
+    def _restore_sent(self, done: Cursor) -> None:
+        """A restarted job's first early phase (``RoundStart.sent_from``): every rank takes
+        the weights and optimiser state of the end-of-phase checkpoint its resent delta was
+        made from; those weights are also what the phase folds from."""
+        assert self.model is not None and self.optimizer is not None
+        checkpoint.load(done.to_dict(), self.model, self.optimizer, weights=True)
+        self._restored = True
+        self._sent = full_parameters(self.model)
+        self._sent_checkpoint = checkpoint.path_of(self.state_dir, done.to_dict()).name
+        if self.ranks.main:
+            log.info(
+                "%s the early phase starts from %s, the weights of round %d's delta",
+                site_prefix(self.s.site), self._sent_checkpoint, done.round,
+            )  # fmt: skip
+
     def _restore(self, cursor: Cursor | None) -> None:
         """Resuming ``cursor``: its weights and optimiser state. A fresh process: the inner
         optimiser state of the newest checkpoint (kept across rounds, as DiLoCo does)."""
@@ -488,6 +594,18 @@ class SiteRunner:
             if newest is not None:
                 checkpoint.load(newest, self.model, self.optimizer, weights=False)
         self._restored = True
+
+    def _keep_sent(self, cursor: Cursor) -> None:
+        """An early phase resumed before its merge arrived (its cursor's weights restored):
+        every rank reads the weights the killed job sent its last delta from (the checkpoint
+        the cursor ``folds_from``), for the fold-in to come."""
+        assert self.model is not None
+        theta = full_parameters(self.model)
+        checkpoint.load_weights(self.state_dir / str(cursor.folds_from), self.model)
+        self._sent = full_parameters(self.model)
+        self._sent_checkpoint = cursor.folds_from
+        load_full_parameters(self.model, theta)
+        del theta
 
     def _fold_on_resume(self, start: RoundStart) -> dict[str, torch.Tensor]:
         """A resumed early phase (its cursor's weights restored): fold in the merged model as
@@ -522,9 +640,14 @@ class SiteRunner:
             load_full_parameters(self.model, moments.without_moments(tensors))
             merged_moments = moments.only_moments(tensors)
             del tensors
+        if start.sent_from is not None:
+            self._restore_sent(start.sent_from)
         self._restore(start.cursor)
         if start.cursor is not None and start.cursor.before_fold_in:
-            merged_moments = self._fold_on_resume(start)
+            if start.early:  # resumed before the merge: it is folded in when it arrives
+                self._keep_sent(start.cursor)
+            else:
+                merged_moments = self._fold_on_resume(start)
         self.adopt_moments(merged_moments)  # after the optimiser state is restored
         state = start.cursor.phase if start.cursor else PhaseState()
         resumed_at = state.windows

@@ -7,7 +7,7 @@ once at a crash point (crossfed.coordinator.faults) and is started again:
 (b) ``site_mid_fold``: round 1's merged model half folded into round 2's early phase;
 (c) ``site_after_step``: after the first step of round 2's early phase, round 1 still open;
 (d) ``site_awaiting_merge``: round 2's early phase checkpointed and waiting for round 1's
-    merge (its lead spent), round 1 still open.
+    merge (its lead spent), round 1 still open; the restarted job goes on with it at once.
 
 The crashing site is snellius, a subprocess. frontier is a real SiteRunner in this process
 that leases each round at once but trains it only when the test lets it (``HeldBack``): its
@@ -15,16 +15,21 @@ live lease keeps the round open, so snellius is a round ahead when it dies, and 
 waits for snellius's restarted job to lease it. After the restart the run completes; the
 restarted job, back within the leases' TTL, takes over the early lease its predecessor held
 (trained or not) instead of letting it expire, so the crash loses no block; the resent
-delta of (a) is accepted once, and no block is committed twice. In (d) the restarted job
-goes on from the early phase's checkpoint instead of training the lease again: it folds
-round 1's merged model into the checkpoint's weights, from the weights it sent round 1's
-delta from (the end-of-phase checkpoint of round 1, kept for that).
+delta of (a) is accepted once, and no block is committed twice. In (a) and (c) the
+restarted job does not wait for round 1 to close: its delta resent in the background (a) or
+already in (c), it trains round 2's early lease at once from the weights of round 1's
+end-of-phase checkpoint and folds round 1's merged model in when it arrives. In (d) the
+restarted job goes on from the early phase's checkpoint instead of training the lease again,
+round 1 still open: it folds round 1's merged model into its weights when it arrives, from
+the weights it sent round 1's delta from (the end-of-phase checkpoint of round 1, kept for
+that).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -251,13 +256,22 @@ def test_killed_mid_upload_of_round_r_resends_it_once(crash: Crash) -> None:
     assert record.round == 1 and not crash.delivered(1)  # checkpointed, never sent
     assert [x["lease_id"] for x in held if x["round"] == 1] == [record.lease_id]
     kept = shutil.copy(record.delta, crash.tmp / "delta-r1.safetensors")
+    newest = checkpoint.latest(folder / "state")
+    assert newest is not None and (newest["round"], newest["status"]) == (1, "done")
+    ended = Path(newest["path"]).name
     # frontier trains round 1 once the restarted job has resent snellius's delta: the
-    # restarted job then waits for round 1 to close (nothing of it in flight) and trains
-    # rounds 2 and 3 (restart checks every round accepted)
-    crash.restart(range(1, ROUNDS + 1), gate_one=lambda: crash.delivered(1))
+    # restarted job resends it in the background and meanwhile trains round 2's early lease
+    # from the weights that delta was made from (round 1's end-of-phase checkpoint), then
+    # round 3 (restart checks every round accepted)
+    crash.restart(range(1, ROUNDS + 1), gate_one=lambda: crash.delivered(1) and began_early(crash))
     first = crash.round_record(1)  # the restarted job's round 1: the resend, accepted
     assert first["extra"]["resumed"] is True and first["extra"]["already"] is False
     assert first["lease_id"] == record.lease_id
+    said = (crash.tmp / "second.log").read_text(errors="replace")
+    assert "folded in generation 1 at step" in said
+    assert crash.round_record(2)["generation"] == 1  # measured against round 1's merge
+    # from the weights round 1's delta was made from: its end-of-phase checkpoint
+    assert f"the early phase starts from {ended}, the weights of round 1's delta" in said
     deltas = crash.check_exactly_once()
     (carried,) = [d for d in deltas if d["lease_id"] == record.lease_id]
     assert carried["round_no"] == 1 and carried["consumed"] == record.consumed
@@ -272,6 +286,14 @@ def test_killed_mid_upload_of_round_r_resends_it_once(crash: Crash) -> None:
     )  # fmt: skip
     assert again["accepted"] is True and again["already"] is True
     assert crash.check_exactly_once() == deltas
+
+
+def began_early(crash: Crash, how: str = "early lease") -> bool:
+    """Whether snellius's restarted job began (``how``: "early lease") or resumed
+    ("resuming") round 2's early phase while round 1 was open (frontier's lease keeps it
+    open until the test lets it train)."""
+    said = (crash.tmp / "second.log").read_text(errors="replace")
+    return re.search(rf"\[{SITE} r2\] {how} .* while round 1 is merged", said) is not None
 
 
 def early_lease(crash: Crash) -> bool:
@@ -318,8 +340,12 @@ def test_killed_mid_phase_of_an_early_lease_the_restarted_job_takes_it_over(cras
     assert crash.admin.status()["round"] == 1
     (early,) = [x for x in held if x["round"] == 2]
     assert early["consumed"] == 0  # one step in: no block of it trained to the end
-    crash.restart(range(2, ROUNDS + 1))
+    # round 1's delta is in (or resent): the restarted job trains round 2 at once, taking
+    # the early lease over, and frontier trains round 1 only once it has begun
+    crash.restart(range(2, ROUNDS + 1), gate_one=lambda: began_early(crash))
     check_taken_over(crash, early)
+    said = (crash.tmp / "second.log").read_text(errors="replace")
+    assert "folded in generation 1 at step" in said
 
 
 @pytest.mark.parametrize(
@@ -340,7 +366,9 @@ def test_killed_awaiting_the_merge_the_restarted_job_resumes_the_early_phase(cra
     assert cursor["windows"] == 4 < leased  # one step of four windows in
     kept = state_dir / cursor["folds_from"]  # round 1's end: the weights it sent from
     assert kept.is_dir() and kept.name.startswith("ckpt-r00001-") and "done" in kept.name
-    crash.restart(range(2, ROUNDS + 1))
+    # the restarted job goes on with the early phase at once, round 1 still open; frontier
+    # trains round 1 only once it has, and the merged model is folded in when it arrives
+    crash.restart(range(2, ROUNDS + 1), gate_one=lambda: began_early(crash, "resuming"))
     record = crash.round_record(2)
     assert record["lease_id"] == early["lease_id"]
     assert record["extra"]["resumed_at_window"] == cursor["windows"]  # not trained again
