@@ -1,7 +1,8 @@
 """The coordinator's leasing: sites register, lease blocks, beat and release.
 
-A grant is sized by the site's pace (``LeaseBook.grant_size``); a lease's TTL by its step
-time and the RTT this coordinator measures itself from the heartbeats' echoes.
+A grant is sized by the site's pace (``LeaseBook.grant_size``), an early lease also to end
+with its round (``_to_round_end``); a lease's TTL by its step time and the RTT this
+coordinator measures itself from the heartbeats' echoes.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ class Leasing(Views):
                     step_rates=self._step_rates,
                     probe_share=spec.leases.probe_share if len(spec.sites) > 1 else 1.0,
                 )  # fmt: skip
+                if early:
+                    size = self._to_round_end(site, size, n_blocks, current["round_no"], now)
                 ranks = store.site_ranks(self.conn, site) or 1
                 with self._mutation():
                     args = {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
@@ -295,6 +298,33 @@ class Leasing(Views):
             if blocks > 0:
                 ahead[str(lease.lease_id)] = blocks
         return ahead
+
+    def _to_round_end(
+        self, site: str, size: int, requested: int, open_round: int, now: float
+    ) -> int:
+        """An early lease's size, ``size`` paced, grown to end with its round. It starts
+        while the open round still trains, and the round it belongs to starts only when the
+        open one closes: it also covers, at this site's pace, the seconds the open round's
+        other live leases likely still need (each holder's untrained blocks at its pace, less
+        what it likely trained since its last heartbeat). Paced alone, a site that starts its
+        phases ahead of the others stayed ahead round after round and waited for every merge
+        (a restart, or a short lease at an epoch's end, put it there); sized to the round's
+        end, it ends with the others and the next round's phases start together. At most
+        twice the paced size (a forecast), and within the grant's cap."""
+        assert self.book is not None
+        rate = self._step_rates.get(site) or self.book.commit_rate(site)
+        if not rate:
+            return size
+        left_s = 0.0
+        for lease in self.book.active_leases():
+            if lease.site == site or lease.round_no != open_round:
+                continue
+            pace = self._step_rates.get(lease.site) or self.book.commit_rate(lease.site)
+            if pace:
+                untrained = lease.n_blocks - lease.consumed - pace * (now - lease.renewed_at)
+                left_s = max(left_s, untrained / pace)
+        extra = min(size, math.floor(rate * left_s))
+        return min(size + extra, max(1, math.floor(PACE_MAX_SCALE * requested)))
 
     def _note_step_rate(self, site: str, lease_id: int, t_step_s: float | None) -> None:
         """The site's compute rate from a heartbeat's mean step time: the lease's phase (the

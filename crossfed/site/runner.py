@@ -504,11 +504,20 @@ class SiteRunner:
             loss_mean=pending.loss, compute_s=pending.compute_s,
         )  # fmt: skip
         outcome.extra["resumed"] = True
+        assert self.control is not None
+        # its lease beats while the delta goes up again, as a sending job's does: the
+        # killed job's beat stopped with it, and the lease's TTL may be near its end
+        beat = self.control.heartbeat({"lease_id": pending.lease_id, "n_blocks": pending.consumed})
+        beat.consumed = pending.consumed
+        beat.__enter__()
         if pending.round == round_no:
-            ahead = self._go_ahead(pending, outcome, joined, rtt)
+            ahead = self._go_ahead(pending, outcome, joined, rtt, beat)
             if ahead is not None:
                 return ahead
-        outcome = self._send(pending, outcome, fresh=False)
+        try:
+            outcome = self._send(pending, outcome, fresh=False)
+        finally:
+            beat.stop(wait=False)
         return outcome if pending.round == round_no else None
 
     def _go_ahead(
@@ -517,10 +526,12 @@ class SiteRunner:
         outcome: RoundOutcome,
         joined: dict[str, Any],
         rtt: float,
+        beat: Heartbeat | None = None,
     ) -> RoundOutcome | None:
         """Rank 0 of a restarted job (overlapped rounds) whose killed job ended the open
         round's phase: its delta, ``pending`` (None: the coordinator holds it already), is
-        resent in the background as this job's round in flight, and the next round's phase
+        resent in the background as this job's round in flight (``beat`` keeping its lease
+        alive until it is answered), and the next round's phase
         starts at once instead of after the round closes, as the killed job's did: from the
         weights that delta was made from (the newest checkpoint is the phase's end), or on
         from the killed job's early phase (the newest is a mid-phase checkpoint of it, before
@@ -539,7 +550,7 @@ class SiteRunner:
         if not (early or ended):
             return None
         self._inflight = InFlight(
-            self.control, pending, outcome, None, self.state_dir, fresh=False,
+            self.control, pending, outcome, beat, self.state_dir, fresh=False,
             on_sent=self._send_answered,
         )  # fmt: skip
         self._resent = base

@@ -206,14 +206,21 @@ def test_grants_follow_measured_commit_rates(
 def test_the_second_round_is_sized_from_the_first_rounds_step_times(
     darl: LiveCoordinator, tiny_data: Path
 ) -> None:
-    """No commit needed: the heartbeats' mean step times size the early leases of round 2."""
+    """No commit needed: the heartbeats' mean step times size the early leases of round 2,
+    and an early lease also covers what the open round's other leases have left to train
+    (its round starts only when they are in), so a site ahead ends with the others."""
     join(darl, "snellius", tiny_data)
     join(darl, "lumi", tiny_data)
     fast, slow = lease(darl, "snellius", 2), lease(darl, "lumi", 2)
+    assert fast["n_blocks"] == slow["n_blocks"] == 2
     darl.client("snellius").heartbeat(fast["lease_id"], "snellius", 1, 0.1)
     darl.client("lumi").heartbeat(slow["lease_id"], "lumi", 0, 0.4)
-    # paces 1 / (H * t_step): snellius 4x lumi; grants 2 * 4 / 2.5 and 2 * 1 / 2.5
-    assert early(darl, "snellius", 2)["lease"]["n_blocks"] == 3
+    # paces 1 / (H * t_step): snellius 4x lumi; paced grants 2 * 4 / 2.5 = 3 and
+    # 2 * 1 / 2.5 = 1. Rates: snellius 2 / (4 * 0.1) = 5 blocks a second, lumi 1.25. lumi
+    # has 2 blocks of round 1 left, 1.6 s: 8 of snellius's blocks, capped at its paced
+    # grant again (a forecast), 3 + 3
+    assert early(darl, "snellius", 2)["lease"]["n_blocks"] == 6
+    # snellius has 1 block left, 0.2 s at most: less than one of lumi's blocks
     assert early(darl, "lumi", 2)["lease"]["n_blocks"] == 1
 
 
@@ -228,8 +235,9 @@ def test_a_site_of_unknown_pace_leases_a_probe_then_its_paced_share(
     join(coordinator, "lumi", tiny_data)
     fast, slow = lease(coordinator, "snellius", 4), lease(coordinator, "lumi", 4)
     assert (fast["n_blocks"], slow["n_blocks"]) == (1, 1)  # a quarter of the phase each
+    # both probes trained: an early lease has no open-round training to cover beside its own
     coordinator.client("snellius").heartbeat(fast["lease_id"], "snellius", 1, 0.1)
-    coordinator.client("lumi").heartbeat(slow["lease_id"], "lumi", 0, 0.3)
+    coordinator.client("lumi").heartbeat(slow["lease_id"], "lumi", 1, 0.3)
     # paced now: 4 * (1/0.1) / mean(1/0.1, 1/0.3) = 6 and 4 * (1/0.3) / that mean = 2
     assert early(coordinator, "snellius", 4)["lease"]["n_blocks"] == 6
     assert early(coordinator, "lumi", 4)["lease"]["n_blocks"] == 2
