@@ -15,7 +15,7 @@ from crossfed.coordinator import store
 from crossfed.coordinator.core import CoordinatorError, lease_errors, log
 from crossfed.coordinator.rounds import next_global_step
 from crossfed.coordinator.views import Views
-from crossfed.darl.leases import LeaseError, lease_ttl
+from crossfed.darl.leases import LeaseError, lease_ttl, round_end_grant
 
 MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
 ECHOES_PER_SITE = 4  # outstanding RTT nonces kept per site (a site may beat for two leases)
@@ -115,7 +115,9 @@ class Leasing(Views):
                     probe_share=spec.leases.probe_share if len(spec.sites) > 1 else 1.0,
                 )  # fmt: skip
                 if early:
-                    size = self._to_round_end(site, size, n_blocks, current["round_no"], now)
+                    size = self._to_round_end(
+                        site, size, n_blocks, current["round_no"], now, spec.rounds.deadline_s
+                    )
                 ranks = store.site_ranks(self.conn, site) or 1
                 with self._mutation():
                     args = {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
@@ -300,7 +302,7 @@ class Leasing(Views):
         return ahead
 
     def _to_round_end(
-        self, site: str, size: int, requested: int, open_round: int, now: float
+        self, site: str, size: int, requested: int, open_round: int, now: float, deadline_s: float
     ) -> int:
         """An early lease's size, ``size`` paced, grown to end with its round. It starts
         while the open round still trains, and the round it belongs to starts only when the
@@ -309,8 +311,12 @@ class Leasing(Views):
         what it likely trained since its last heartbeat). Paced alone, a site that starts its
         phases ahead of the others stayed ahead round after round and waited for every merge
         (a restart, or a short lease at an epoch's end, put it there); sized to the round's
-        end, it ends with the others and the next round's phases start together. At most
-        twice the paced size (a forecast), and within the grant's cap."""
+        end, it ends with the others and the next round's phases start together.
+
+        A forecast, so held back: at most half the paced size more (an offset larger than
+        that is taken up over a few rounds), within the grant's cap, and never past half its
+        round's deadline (``rounds.deadline_s``, from the round's forecast opening): the other
+        half is left for a restart, should the site be killed during the longer phase."""
         assert self.book is not None
         rate = self._step_rates.get(site) or self.book.commit_rate(site)
         if not rate:
@@ -323,8 +329,8 @@ class Leasing(Views):
             if pace:
                 untrained = lease.n_blocks - lease.consumed - pace * (now - lease.renewed_at)
                 left_s = max(left_s, untrained / pace)
-        extra = min(size, math.floor(rate * left_s))
-        return min(size + extra, max(1, math.floor(PACE_MAX_SCALE * requested)))
+        hi = max(1, math.floor(PACE_MAX_SCALE * requested))
+        return round_end_grant(size, rate, left_s, deadline_s, hi)
 
     def _note_step_rate(self, site: str, lease_id: int, t_step_s: float | None) -> None:
         """The site's compute rate from a heartbeat's mean step time: the lease's phase (the

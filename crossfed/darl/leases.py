@@ -801,3 +801,19 @@ def proportional_grant(
         size = math.floor(base_blocks * site_rate / mean_rate + 0.5)
     size = max(lo, size)
     return size if hi is None else min(hi, size)
+
+
+def round_end_grant(size: int, rate: float, left_s: float, deadline_s: float, hi: int) -> int:
+    """An early lease of ``size`` blocks (paced), grown to end with its round: by the blocks
+    the site trains at ``rate`` (blocks a second) in the ``left_s`` seconds the open round
+    likely still needs, at most half of ``size`` more, never past half the round's
+    ``deadline_s`` from its forecast opening (``left_s`` from now), and at most ``hi``; never
+    below ``size``."""
+    if size < 1 or not (rate > 0 and math.isfinite(rate)) or left_s < 0 or deadline_s <= 0:
+        raise LeaseSizingError(
+            f"need size >= 1, rate > 0, left_s >= 0, deadline_s > 0: "
+            f"{size!r}, {rate!r}, {left_s!r}, {deadline_s!r}"
+        )
+    grown = size + min(size // 2, math.floor(rate * left_s))
+    within = math.floor(rate * (left_s + deadline_s / 2))
+    return max(size, min(grown, within, hi))

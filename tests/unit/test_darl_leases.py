@@ -12,6 +12,7 @@ from crossfed.darl.leases import (
     lease_blocks,
     lease_ttl,
     proportional_grant,
+    round_end_grant,
 )
 
 TTL = 10.0
@@ -484,6 +485,23 @@ def test_lease_ttl():
         lease_ttl(0.0, 0.0)
     with pytest.raises(LeaseSizingError):
         lease_ttl(-1.0, 0.1)
+
+
+def test_round_end_grant():
+    # 6 blocks paced, 2 blocks a second: 1.5 s left adds 3 blocks, at most half of 6
+    assert round_end_grant(6, 2.0, 1.5, 3600.0, 24) == 9
+    assert round_end_grant(6, 2.0, 10.0, 3600.0, 24) == 9  # a long wait: still half
+    assert round_end_grant(6, 2.0, 0.4, 3600.0, 24) == 6  # under a block's worth: none
+    assert round_end_grant(6, 2.0, 1.5, 3600.0, 8) == 8  # the grant's cap
+    # a deadline of 6 s: the lease ends at most 3 s after its round opens (1.5 s from now),
+    # 4.5 s at 2 blocks a second: 9 blocks fit; with a deadline of 4 s, 3.5 s: 7
+    assert round_end_grant(6, 2.0, 1.5, 6.0, 24) == 9
+    assert round_end_grant(6, 2.0, 1.5, 4.0, 24) == 7
+    # a paced phase already past the deadline's half keeps its size, never less
+    assert round_end_grant(6, 2.0, 0.5, 1.0, 24) == 6
+    for bad in ((0, 2.0, 1.0, 60.0), (6, 0.0, 1.0, 60.0), (6, 2.0, -1.0, 60.0), (6, 2.0, 1.0, 0)):
+        with pytest.raises(LeaseSizingError):
+            round_end_grant(*bad, 24)
 
 
 def test_proportional_grant():
