@@ -40,9 +40,17 @@ class Heartbeat:
     """Background thread: refreshes the lease, reports progress, learns of steals and expiry."""
 
     def __init__(
-        self, client: CoordinatorClient, site: str, lease: dict, interval_s: float
+        self,
+        client: CoordinatorClient,
+        site: str,
+        lease: dict,
+        interval_s: float,
+        at_once: bool = False,
     ) -> None:
+        """``at_once``: the first beat goes out as the thread starts, not an interval later
+        (a lease whose last beat came from a killed job may be near the end of its TTL)."""
         self.client, self.site, self.interval_s = client, site, interval_s
+        self.at_once = at_once
         self.lease_id = lease["lease_id"]
         self.allowed_blocks = lease["n_blocks"]
         self.consumed = 0
@@ -70,7 +78,9 @@ class Heartbeat:
 
     def _run(self) -> None:
         echo, received = None, 0.0  # the last reply's nonce, for the coordinator's RTT
-        while not self._stop.wait(self.interval_s):
+        wait = 0.0 if self.at_once else self.interval_s
+        while not self._stop.wait(wait):
+            wait = self.interval_s
             try:
                 held = time.perf_counter() - received if echo is not None else None
                 reply = self.client.heartbeat(
@@ -328,8 +338,8 @@ class Control:
             return None
         return lease
 
-    def heartbeat(self, lease: dict) -> Heartbeat:
-        return Heartbeat(self.client, self.site, lease, self.s.heartbeat_s)
+    def heartbeat(self, lease: dict, at_once: bool = False) -> Heartbeat:
+        return Heartbeat(self.client, self.site, lease, self.s.heartbeat_s, at_once)
 
     def release(self, lease_id: int) -> None:
         self.client.release(lease_id, self.site)

@@ -505,9 +505,10 @@ class SiteRunner:
         )  # fmt: skip
         outcome.extra["resumed"] = True
         assert self.control is not None
-        # its lease beats while the delta goes up again, as a sending job's does: the
-        # killed job's beat stopped with it, and the lease's TTL may be near its end
-        beat = self.control.heartbeat({"lease_id": pending.lease_id, "n_blocks": pending.consumed})
+        # its lease beats while the delta goes up again, as a sending job's does, from now:
+        # the killed job's beat stopped with it, and the lease's TTL may be near its end
+        lease = {"lease_id": pending.lease_id, "n_blocks": pending.consumed}
+        beat = self.control.heartbeat(lease, at_once=True)
         beat.consumed = pending.consumed
         beat.__enter__()
         if pending.round == round_no:

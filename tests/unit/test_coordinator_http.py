@@ -341,3 +341,28 @@ def test_a_committed_leases_last_heartbeat_retrying_does_not_hold_up_what_comes_
             assert beat._thread.is_alive()  # still retrying: not waited for
             beat.stop()
             assert not beat._thread.is_alive()  # its budget spent, the beat gave up
+
+
+def test_a_heartbeat_at_once_renews_its_lease_before_its_first_interval(
+    run: LiveCoordinator, tiny_data: Path
+) -> None:
+    """A restarted job's resend beats the lease its killed job held, whose TTL may be near
+    its end: with ``at_once`` the first beat goes out as the thread starts, not an interval
+    (here an hour) later."""
+    lease = join_and_lease(run, "snellius", tiny_data)
+    client = run.client("snellius")
+
+    def expiry() -> float:
+        live = [
+            x for x in run.client().status()["active_leases"] if x["lease_id"] == lease["lease_id"]
+        ]
+        return float(live[0]["expires_at"])
+
+    before = expiry()
+    for at_once in (False, True):
+        beat = Heartbeat(client, "snellius", lease, interval_s=3600.0, at_once=at_once)
+        with beat:
+            deadline = time.monotonic() + (30 if at_once else 1.0)
+            while expiry() == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert (expiry() > before) is at_once, at_once
