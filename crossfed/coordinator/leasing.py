@@ -291,7 +291,7 @@ class Leasing(Views):
         for lease in live:
             if lease.site == thief:
                 continue
-            rate = self._step_rates.get(lease.site) or self.book.commit_rate(lease.site)
+            rate = self._pace(lease.site)
             if not rate:
                 continue
             gap = self._beat_gaps.get(lease.lease_id, 0.0)
@@ -301,32 +301,29 @@ class Leasing(Views):
                 ahead[str(lease.lease_id)] = blocks
         return ahead
 
+    def _pace(self, site: str) -> float | None:
+        """``site``'s blocks per second: its step rate, else its commit rate (None: unknown)."""
+        assert self.book is not None
+        return self._step_rates.get(site) or self.book.commit_rate(site)
+
     def _to_round_end(
         self, site: str, size: int, requested: int, open_round: int, now: float, deadline_s: float
     ) -> int:
-        """An early lease's size, ``size`` paced, grown to end with its round. It starts
-        while the open round still trains, and the round it belongs to starts only when the
-        open one closes: it also covers, at this site's pace, the seconds the open round's
-        other live leases likely still need (each holder's untrained blocks at its pace, less
-        what it likely trained since its last heartbeat). Paced alone, a site that starts its
-        phases ahead of the others stayed ahead round after round and waited for every merge
-        (a restart, or a short lease at an epoch's end, put it there); sized to the round's
-        end, it ends with the others and the next round's phases start together.
-
-        A forecast, so held back: at most half the paced size more (an offset larger than
-        that is taken up over a few rounds), within the grant's cap, and never past half its
-        round's deadline (``rounds.deadline_s``, from the round's forecast opening): the other
-        half is left for a restart, should the site be killed during the longer phase."""
+        """An early lease's size, ``size`` paced, grown to end with its round
+        (``round_end_grant``): the round it belongs to starts only when the open one closes,
+        so it also covers the seconds the open round's other live leases likely still need
+        (each holder's untrained blocks at its pace, less what it likely trained since its
+        last heartbeat). Paced alone, a site that started its phases ahead of the others
+        (after a restart, or a short lease at an epoch's end) stayed ahead round after round
+        and waited for every merge."""
         assert self.book is not None
-        rate = self._step_rates.get(site) or self.book.commit_rate(site)
+        rate = self._pace(site)
         if not rate:
             return size
         left_s = 0.0
         for lease in self.book.active_leases():
-            if lease.site == site or lease.round_no != open_round:
-                continue
-            pace = self._step_rates.get(lease.site) or self.book.commit_rate(lease.site)
-            if pace:
+            pace = self._pace(lease.site)
+            if lease.site != site and lease.round_no == open_round and pace:
                 untrained = lease.n_blocks - lease.consumed - pace * (now - lease.renewed_at)
                 left_s = max(left_s, untrained / pace)
         hi = max(1, math.floor(PACE_MAX_SCALE * requested))

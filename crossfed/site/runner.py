@@ -172,7 +172,7 @@ class SiteRunner:
         #: rank 0 of a restarted job: the checkpoint the next round's early phase starts
         #: from (the end of the killed job's phase, whose round is in flight again) or goes
         #: on from (the killed job's early phase), ``_go_ahead``
-        self._resent: Cursor | None = None
+        self._restart_base: Cursor | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -259,9 +259,9 @@ class SiteRunner:
         ordinary start (once the previous round's merged model is here)."""
         inflight = self._inflight
         ask, self._ask = self._ask, None
-        resent, self._resent = self._resent, None
+        base, self._restart_base = self._restart_base, None
         if inflight is not None and not inflight.arrived.is_set():
-            early = self._prepare_early(round_no, inflight, ask, resent)
+            early = self._prepare_early(round_no, inflight, ask, base)
             if early is not None:
                 return early
         elif ask is not None:  # the merged model is here: the round starts ordinarily
@@ -270,18 +270,18 @@ class SiteRunner:
         return self._prepare(round_no)
 
     def _prepare_early(
-        self, round_no: int, inflight: InFlight, ask: EarlyAsk | None, resent: Cursor | None
+        self, round_no: int, inflight: InFlight, ask: EarlyAsk | None, base: Cursor | None
     ) -> RoundStart | None:
         """Rank 0: lease the next round while the previous one is merged (None: no lease
         now, so the phase waits for the merge). The phase trains from the site's own weights,
         from the global step the coordinator forecasts; its generation, reference model and
         exact global step are known once the merge arrives. ``ask``: the lease asked during
-        the last phase's last step, taken if it was granted (else asked now); ``resent``: a
+        the last phase's last step, taken if it was granted (else asked now); ``base``: a
         restarted job's (``_go_ahead``), the checkpoint its first phase starts or goes on
         from."""
         prev = self._last_start
         assert self.control is not None
-        own = self._sent is not None or resent is not None
+        own = self._sent is not None or base is not None
         usable = prev is not None and round_no == inflight.round + 1 and own
         taken = None
         if ask is not None:
@@ -292,8 +292,8 @@ class SiteRunner:
         if not usable:
             return None
         assert prev is not None
-        if resent is not None and resent.round == round_no:
-            return self._resume_early(round_no, inflight, prev, resent)
+        if base is not None and base.round == round_no:
+            return self._resume_early(round_no, inflight, prev, base)
         accumulation = self.s.inner.accumulation
         if taken is not None:
             lease, global_step, self._early_beat = taken
@@ -321,7 +321,7 @@ class SiteRunner:
         return replace(
             prev, generation=-1, global_step=global_step, lease=lease,
             model_path="", cursor=None, download_s=0.0, accumulation=accumulation,
-            early=True, sent_from=resent,
+            early=True, sent_from=base,
         )  # fmt: skip
 
     def _resume_early(
@@ -532,8 +532,8 @@ class SiteRunner:
         """Rank 0 of a restarted job (overlapped rounds) whose killed job ended the open
         round's phase: its delta, ``pending`` (None: the coordinator holds it already), is
         resent in the background as this job's round in flight (``beat`` keeping its lease
-        alive until it is answered), and the next round's phase
-        starts at once instead of after the round closes, as the killed job's did: from the
+        alive until it is answered), and the next round's phase starts at once instead of
+        after the round closes, as the killed job's did: from the
         weights that delta was made from (the newest checkpoint is the phase's end), or on
         from the killed job's early phase (the newest is a mid-phase checkpoint of it, before
         its fold-in). Either folds the merged model in when it arrives. Returns the round's
@@ -554,7 +554,7 @@ class SiteRunner:
             self.control, pending, outcome, beat, self.state_dir, fresh=False,
             on_sent=self._send_answered,
         )  # fmt: skip
-        self._resent = base
+        self._restart_base = base
         self._last_start = RoundStart(
             generation=base.generation, global_step=int(joined["global_step"]),
             schedule=joined["schedule"], flavour=joined["flavour"],
