@@ -21,7 +21,10 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
   step; or ``eta=E,beta=B[,solo=0|1]``), inner AdamW state kept per site across rounds
   (``--adam-state``: ``shared``, the workflow's default, rescales each site's second moment to
   the token-weighted mean of the sites' row and column factors at each merge; ``keep``,
-  reset, or whole moments averaged are levers to measure);
+  reset, or whole moments averaged are levers to measure), the token embedding's rows
+  weighted by how often each site saw their tokens (``--embedding-rows``: ``counts``, the
+  workflow's default, ``crossfed.rowcounts``; ``shares`` weights them as every other
+  tensor, by the token shares);
 * FedAvg: the same with beta=0, eta=1 (the token-weighted mean of the site models; with the
   ``average`` preset it is the DiLoCo row itself, trained once);
 * DiLoCo 1 site: one site of batch 3*B with the same outer step as the DiLoCo row;
@@ -95,7 +98,7 @@ from pathlib import Path
 
 import torch
 
-from crossfed import moments
+from crossfed import moments, rowcounts
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.prepare import prepare
 from crossfed.data.windows import WindowStore
@@ -106,6 +109,7 @@ from crossfed.outer import (
     TUNED_BETA,
     OuterConfig,
     outer_step,
+    token_shares,
 )
 from crossfed.train.inner import (
     InnerConfig,
@@ -245,12 +249,28 @@ class Run:
         #: the merged second-moment factors a site adopts with the merged model (``shared``)
         self.merged_moments: dict[str, torch.Tensor] = {}
         self.merges = 0
+        #: how the outer step weights the embedding's rows (``outer.embedding_rows``)
+        self.embedding_rows = rowcounts.DEFAULT_MODE
         #: the (eta, beta) each outer step ran with, by number of contributors
         self.steps_run: dict[int, tuple[float, float]] = {}
 
-    def merge(self, deltas: list[dict[str, torch.Tensor]], tokens: list[int]) -> None:
-        """The outer step, then the sites' AdamW state as ``adam_state`` says."""
-        report = outer_step(self.master, self.momentum, deltas, tokens, self.outer)
+    def merge(
+        self,
+        deltas: list[dict[str, torch.Tensor]],
+        tokens: list[int],
+        leases: list[list[int]],
+    ) -> None:
+        """The outer step (the embedding's rows weighted by the sites' token counts in
+        ``leases``, with ``counts``), then the sites' AdamW state as ``adam_state`` says."""
+        rows = None
+        if self.embedding_rows == rowcounts.COUNTS and len(deltas) > 1:
+            vocab = self.store.vocab_size
+            counts = [rowcounts.token_counts(self.store.take(lease), vocab) for lease in leases]
+            weights = rowcounts.row_weights(counts, token_shares(tokens))
+            rows = {rowcounts.EMBEDDING: weights} if weights is not None else None
+        report = outer_step(
+            self.master, self.momentum, deltas, tokens, self.outer, row_weights=rows
+        )
         self.steps_run[report.contributors] = (report.eta_used, report.beta_used)
         self.merges += 1
         if self.merges % self.adam_every:
@@ -292,7 +312,7 @@ class Run:
         if self.outer is None:  # centralised: the model simply continues
             self.master = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
         else:
-            self.merge(deltas, tokens)
+            self.merge(deltas, tokens, leases)
         self.global_step += steps
         self.train_s += time.perf_counter() - t0
 
@@ -407,7 +427,7 @@ class OverlapRun(Run):
             deltas.append(delta_of(ended, merged, self.wire.delta_dtype))
             tokens.append(state.tokens)
             self.sent[i] = ended
-        self.merge(deltas, tokens)
+        self.merge(deltas, tokens, leases)
         self.global_step += steps
         self.train_s += time.perf_counter() - t0
 
@@ -543,6 +563,7 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
     unique = list({id(run): run for run in runs.values()}.values())
     for run in unique:
         run.adam_state, run.adam_every = args.adam_state, args.adam_every
+        run.embedding_rows = args.embedding_rows
         if args.combined_denominator and len(run.optimizers) > 1:
             run.combined = len(run.optimizers)
             run.optimizers = [run.new_optimizer() for _ in run.optimizers]
@@ -645,6 +666,14 @@ def main() -> None:
         "moment's row and column factors averaged, crossfed.moments), keep (each site's "
         "own: inner.second_moment: own), reset, or average over the sites whole (both "
         "moments, or only m or v)",
+    )
+    parser.add_argument(
+        "--embedding-rows",
+        choices=rowcounts.MODES,
+        default=rowcounts.DEFAULT_MODE,
+        help="how the outer step weights the token embedding's rows: counts (the workflow's "
+        "default: by how often each site saw each token, crossfed.rowcounts) or shares (by "
+        "the token shares, as every other tensor)",
     )
     parser.add_argument(
         "--combined-denominator", action="store_true",
@@ -776,6 +805,7 @@ def main() -> None:
         "min_lr_factor": args.min_lr_factor,
         "weight_decay": args.weight_decay,
         "adam_state": args.adam_state,
+        "embedding_rows": args.embedding_rows,
         "combined_denominator": args.combined_denominator,
         "early_rounds": args.early_rounds,
         "early_h": args.early_h,

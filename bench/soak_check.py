@@ -55,6 +55,7 @@ TOLERANCE = 1e-6
 MOMENTUM_PREFIX = "momentum::"
 #: the sites' second-moment factors, in delta files and (averaged) in global models
 MOMENTS_PREFIX = "moments::"
+ROWS_PREFIX = "rows::"  # a site's count of each embedding row's token in its phase
 PERMUTATION_VERSION = "crossfed.darl.blockspace/v1:splitmix64+lemire64+durstenfeld"
 DELTA_ENCODINGS = ("none", "int8", "int4")
 MAX_PROBLEMS = 200
@@ -163,7 +164,8 @@ class DeltaBlob:
         default_block = 64 if self.encoding == "int4" else 256
         self.block = int(meta.get("crossfed.block", default_block))
         self.factors = [n for n in self.file.names() if n.startswith(MOMENTS_PREFIX)]
-        stored = [n for n in self.file.names() if not n.startswith(MOMENTS_PREFIX)]
+        side = (MOMENTS_PREFIX, ROWS_PREFIX)
+        stored = [n for n in self.file.names() if not n.startswith(side)]
         if self.encoding == "none":
             self.params = stored
         else:
@@ -176,6 +178,17 @@ class DeltaBlob:
         if self.encoding == "int4":
             return tuple(self.int4_shapes.get(name, ()))
         return self.file.shape(name)
+
+    def row_counts(self, name: str, rows: int) -> np.ndarray | None:
+        """The counts of ``name``'s rows this delta carries, float64 (None: none, or none a
+        merge can use: of another length, negative or not finite)."""
+        key = ROWS_PREFIX + name
+        if key not in self.file.names():
+            return None
+        counts = self.file.read(key).reshape(-1).astype(np.float64)
+        if counts.size != rows or not np.all(np.isfinite(counts)) or np.any(counts < 0):
+            return None
+        return counts
 
     def decode(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """Parameter ``name`` as flat float32 values."""
@@ -520,6 +533,36 @@ def outer_step(
         b_out[lo:hi] = momentum
         w_out[lo:hi] = fused_multiply_add(s, eta, w[lo:hi])
     return w_out, b_out
+
+
+def row_weights(
+    parts: list[DeltaBlob], shares: list[float], name: str, shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """Each contributor's weight on each row of ``name`` (contributors by rows, fp32): its
+    count over the row's total where any contributor counted the row, its token share where
+    none did; None unless every contributor counted the rows."""
+    if not shape:
+        return None
+    counts = [p.row_counts(name, shape[0]) for p in parts]
+    if any(c is None for c in counts):
+        return None
+    n = np.stack(counts)
+    total = n.sum(axis=0)
+    seen = total > 0
+    share = np.asarray(shares, dtype=np.float64)[:, None]
+    return np.where(seen, n / np.where(seen, total, 1.0), share).astype(np.float32)
+
+
+def weighted_rows(
+    deltas: list[np.ndarray], weights: np.ndarray, shape: tuple[int, ...]
+) -> np.ndarray:
+    """sum_i weights[i, row] * delta_i, row by row, as flat fp32 values: each product
+    rounded to fp32, then added to the sum so far (rounded to fp32)."""
+    width = math.prod(shape) // shape[0]
+    out = np.zeros(math.prod(shape), dtype=np.float32)
+    for delta, w in zip(deltas, weights, strict=True):
+        out = out + delta.astype(np.float32) * np.repeat(w, width)
+    return out
 
 
 # ------------------------------------------------------------------------- the check
@@ -983,6 +1026,8 @@ def _rebuild(
     if model is not None:
         _check_factors(report, model, plan[-1][0], plan[-1][1], spec)
     weight_error = momentum_error = model_error = 0.0
+    # a run stored before the setting existed weighted every row by the token shares
+    by_counts = spec.get("embedding_rows", "shares") == "counts"
     try:
         for name in names:
             shape = start.shape(name)
@@ -991,7 +1036,11 @@ def _rebuild(
             if MOMENTUM_PREFIX + name in start.entries:
                 b = start.read(MOMENTUM_PREFIX + name).astype(np.float32).reshape(-1)
             for parts, shares, eta, beta in plan:
-                w, b = outer_step(w, b, [p.decode(name, shape) for p in parts], shares, eta, beta)
+                deltas = [p.decode(name, shape) for p in parts]
+                weights = row_weights(parts, shares, name, shape) if by_counts else None
+                if weights is not None:  # the rows' weighted mean, stepped as one contributor
+                    deltas, shares = [weighted_rows(deltas, weights, shape)], [1.0]
+                w, b = outer_step(w, b, deltas, shares, eta, beta)
             stored = final_master.read(name).reshape(-1).astype(np.float64)
             weight_error = max(weight_error, float(np.max(np.abs(stored - w), initial=0.0)))
             if b is not None and MOMENTUM_PREFIX + name in final_master.entries:

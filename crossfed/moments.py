@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from crossfed import rowcounts
+
 #: the key prefix of second-moment factors inside a delta file and a global model file
 PREFIX = "moments::"
 #: ``inner.second_moment``: each site keeps its own, or the factors are shared at merges
@@ -44,6 +46,12 @@ _TINY = 1e-30
 def is_moment_key(name: str) -> bool:
     """Whether a tensor name in a delta or global model file is a second-moment factor."""
     return name.startswith(PREFIX)
+
+
+def is_side_key(name: str) -> bool:
+    """Whether a tensor name in a delta or model file is one that travels beside the model's:
+    a second-moment factor, or an embedding's row counts (:mod:`crossfed.rowcounts`)."""
+    return name.startswith((PREFIX, rowcounts.PREFIX))
 
 
 def without_moments(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:

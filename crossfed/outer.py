@@ -404,6 +404,7 @@ def outer_step(
     config: OuterConfig = OuterConfig(),
     *,
     kernel: Kernel = "auto",
+    row_weights: Mapping[str, Tensor] | None = None,
 ) -> OuterStepReport:
     """Apply one elastic outer step to ``master`` and ``momentum`` in place.
 
@@ -428,6 +429,10 @@ def outer_step(
     ``kernel``: ``"eager"`` (blocked torch ops), ``"fused"`` (compiled single pass; raises
     if it cannot be compiled) or ``"auto"`` (fused for models of 16M+ parameters when it
     compiles, else eager). Both agree with ``torch.optim.SGD`` to fp32 rounding.
+
+    ``row_weights``: for a tensor named there, each live contributor's weight on each of
+    its rows (``[contributors, rows]``, :func:`crossfed.rowcounts.row_weights`) replaces the
+    token shares in its pseudo-gradient; the step applied to it is the same.
     """
     if len(deltas) != len(tokens):
         raise ValueError(f"{len(deltas)} deltas but {len(tokens)} token counts")
@@ -451,7 +456,7 @@ def outer_step(
             ds = [_check_meta(name, w, deltas[i][name]) for i in live]
             if fresh:  # zeros make β b + g == g exactly, so the fused kernel needs no variant
                 momentum[name] = torch.empty_like(w) if plan.fused is None else torch.zeros_like(w)
-            _apply(plan, w, momentum[name], ds, fresh)
+            _apply(plan, w, momentum[name], ds, fresh, (row_weights or {}).get(name))
             del ds
     return OuterStepReport(
         contributors=len(live),
@@ -484,9 +489,17 @@ def _plan(ps: list[float], eta: float, beta: float, numels: list[int], kernel: K
     return _Plan(ps, beta, eta, fused, coef, (torch.empty(block), torch.empty(block)))
 
 
-def _apply(plan: _Plan, w: Tensor, b: Tensor, ds: list[Tensor], fresh: bool) -> None:
+def _apply(
+    plan: _Plan, w: Tensor, b: Tensor, ds: list[Tensor], fresh: bool, rows: Tensor | None = None
+) -> None:
     """Eq. 1 on one tensor, in place on ``w`` and ``b`` (fresh: ``b`` holds no momentum yet,
-    and is zeros when the fused kernel is in use)."""
+    and is zeros when the fused kernel is in use). ``rows``: per-row weights of the
+    contributors (``[contributors, rows]``) in place of their token shares."""
+    if rows is not None:
+        g = _row_weighted(w, ds, rows)
+        fresh_eager = fresh and plan.fused is None
+        _merge_eager(w, b, [g], [1.0], plan.beta, plan.eta, fresh_eager, plan.scratch)
+        return
     if (
         plan.fused is not None
         and w.numel() >= _FUSED_MIN_NUMEL
@@ -497,6 +510,20 @@ def _apply(plan: _Plan, w: Tensor, b: Tensor, ds: list[Tensor], fresh: bool) -> 
         _merge_eager(
             w, b, ds, plan.ps, plan.beta, plan.eta, fresh and plan.fused is None, plan.scratch
         )
+
+
+def _row_weighted(w: Tensor, ds: list[Tensor], rows: Tensor) -> Tensor:
+    """``Σ_i rows[i, r] Δ_i[r]`` row by row, in fp32, shaped like ``w`` (a matrix, or a
+    tensor of higher order taken as rows by the rest)."""
+    if w.dim() < 1 or tuple(rows.shape) != (len(ds), w.shape[0]):
+        raise DeltaError(
+            f"row weights of shape {tuple(rows.shape)} do not fit {len(ds)} deltas of a "
+            f"tensor of shape {tuple(w.shape)}"
+        )
+    out = torch.zeros(w.shape[0], w.numel() // w.shape[0])
+    for d, r in zip(ds, rows, strict=True):
+        out.addcmul_(d.reshape(out.shape).float(), r[:, None])
+    return out.reshape(w.shape)
 
 
 def _state_tensor(source: Mapping[str, Tensor], name: str, ref: Tensor, role: str) -> Tensor:
@@ -525,6 +552,7 @@ def stream_outer_step(
     config: OuterConfig = OuterConfig(),
     *,
     kernel: Kernel = "auto",
+    row_weights: Mapping[str, Tensor] | None = None,
 ) -> OuterStepReport:
     """:func:`outer_step` for state that lives in files, one tensor at a time.
 
@@ -538,6 +566,7 @@ def stream_outer_step(
     ``momentum`` is None or empty before the first step. With no contributor nothing is
     applied: ``emit`` gets the tensors as read (``b`` None when there is no momentum). Key
     sets are checked before the first tensor is read; dtypes and shapes as each is read.
+    ``row_weights``: as :func:`outer_step`'s, by the names of ``shapes``.
     """
     if len(deltas) != len(tokens):
         raise ValueError(f"{len(deltas)} deltas but {len(tokens)} token counts")
@@ -572,7 +601,7 @@ def stream_outer_step(
             else:
                 b = _state_tensor(momentum or {}, name, ref, "momentum")
             ds = [_check_meta(name, ref, deltas[i][name]) for i in live]
-            _apply(plan, w, b, ds, fresh)
+            _apply(plan, w, b, ds, fresh, (row_weights or {}).get(name))
             del ds
             emit(name, w, b)
             del w, b

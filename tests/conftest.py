@@ -17,7 +17,7 @@ import torch
 import yaml
 from hypothesis import settings
 
-from crossfed import moments
+from crossfed import moments, rowcounts
 from crossfed.client.http import CoordinatorClient
 from crossfed.client.reach import EndpointError
 from crossfed.coordinator.embedded import (
@@ -68,6 +68,7 @@ def tiny_spec(data_dir: Path, **overrides) -> RunSpec:
         # leases as asked: the tests that pin a first lease's size; the probe has its own
         leases=LeasePolicy(min_ttl_s=2.0, initial_ttl_s=60.0, probe_share=1.0),
         second_moment=moments.DEFAULT_MODE,
+        embedding_rows=rowcounts.DEFAULT_MODE,
     )
     fields.update(overrides)
     return RunSpec(**fields)

@@ -154,6 +154,7 @@ class OuterSection(Section):
     eta: float
     beta: float
     solo_full_step: bool
+    embedding_rows: str | None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from crossfed import moments
+from crossfed import moments, rowcounts
 from crossfed.coordinator import store
 from crossfed.coordinator.blobs import BlobError
 from crossfed.coordinator.core import CoordinatorError, log
@@ -161,6 +161,7 @@ class Closing(Views):
             shared_moments=self.spec.second_moment == moments.SHARED,
             sites=[d["site"] for d in deltas],
             model_object=self._model_object(generation),
+            row_counts=self.spec.embedding_rows == rowcounts.COUNTS,
         )
         self._published(generation)
         merge_s = self.monotonic() - started - written.checkpoint_s

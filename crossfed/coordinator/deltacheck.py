@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from crossfed.moments import is_moment_key
+from crossfed.moments import is_side_key
 from crossfed.wire.codecs import CODEC_KEY
 from crossfed.wire.tensors import DTYPES_BY_NAME, HEADER_MAX_BYTES
 
@@ -85,7 +85,7 @@ class StreamingDeltaCheck:
 
     def _planned(self, header: dict, base: int) -> list[tuple[int, int, torch.dtype | None]] | None:
         meta = header.pop("__metadata__", None) or {}
-        model = {k for k in header if not is_moment_key(k)}
+        model = {k for k in header if not is_side_key(k)}
         if meta.get(CODEC_KEY, "none") != "none" or model != set(self.shapes):
             self.failed = True
             return None
@@ -97,7 +97,7 @@ class StreamingDeltaCheck:
             if end - start != size * _count(shape):
                 self.failed = True
                 return None
-            if name not in model:  # a second-moment factor: the merge checks those
+            if name not in model:  # second-moment factors, row counts: the merge checks those
                 plan.append((base + start, base + end, None))
                 continue
             dtype = _PLAIN.get(entry["dtype"])

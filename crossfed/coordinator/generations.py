@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from crossfed import rowcounts
 from crossfed.coordinator.faults import crash_point
 from crossfed.outer import (
     DELTA_DTYPES,
@@ -49,6 +50,7 @@ from crossfed.outer import (
     _check_keys,
     _names,
     stream_outer_step,
+    token_shares,
 )
 from crossfed.wire.codecs import decoded
 from crossfed.wire.tensors import (
@@ -600,6 +602,8 @@ def merge_step(
     tokens: Sequence[int],
     emit: Emit,
     config: OuterConfig,
+    *,
+    row_counts: Mapping[str, Sequence[torch.Tensor | None]] | None = None,
 ) -> OuterStepReport:
     """Eq. 1 from generation files: the state in ``state_path`` and the deltas (any codec)
     in ``delta_paths`` are read tensor by tensor and each new tensor goes to ``emit``. A
@@ -613,7 +617,8 @@ def merge_step(
     merge, and each delta's piece when its turn comes, one piece ahead of the arithmetic (a
     delta in an object store further ahead, :data:`READAHEAD_PIECES`); a pair is read into
     again once the event ``emit`` returned for its last piece is set.
-    Key sets are checked by tensor name before the first read.
+    Key sets are checked by tensor name before the first read. ``row_counts``: by tensor,
+    each delta's row counts (:mod:`crossfed.rowcounts`), which weight that tensor's rows.
     """
     items = pieces(shapes)
     by_key = {p.key: p for p in items}
@@ -658,7 +663,30 @@ def merge_step(
             tokens,
             sink,
             config,
+            row_weights=_piece_weights(items, row_counts or {}, tokens, live),
         )
+
+
+def _piece_weights(
+    items: Sequence[Piece],
+    row_counts: Mapping[str, Sequence[torch.Tensor | None]],
+    tokens: Sequence[int],
+    live: Sequence[int],
+) -> dict[str, torch.Tensor]:
+    """Each piece's rows' weights (live contributors by rows) for the tensors counted."""
+    if not row_counts or not live or len(tokens) != len(next(iter(row_counts.values()))):
+        return {}
+    shares = token_shares([tokens[i] for i in live])
+    out = {}
+    for name, counts in row_counts.items():
+        weights = rowcounts.row_weights([counts[i] for i in live], shares)
+        if weights is None:
+            log.warning("%s merged with token shares: a delta of the round counts no rows", name)
+            continue
+        for p in items:
+            if p.name == name:
+                out[p.key] = weights[:, p.lo : p.hi]
+    return out
 
 
 def _check_names(

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
-from crossfed import moments
+from crossfed import moments, rowcounts
 from crossfed.backoff import Backoff
 from crossfed.coordinator.blobs import BlobError
 from crossfed.coordinator.generations import (
@@ -36,7 +36,7 @@ from crossfed.coordinator.generations import (
 from crossfed.coordinator.objectstore import ModelUpload, ObjectStore, open_objects
 from crossfed.coordinator.s3blobs import Checked, check_object
 from crossfed.outer import OuterConfig, OuterStepReport
-from crossfed.wire.codecs import decoded
+from crossfed.wire.codecs import DecodedDelta, decoded
 from crossfed.wire.tensors import TensorFile
 
 Shapes = dict[str, tuple[int, ...]]
@@ -131,15 +131,22 @@ class LocalMerger:
         shared_moments: bool,
         sites: Sequence[str],
         model_object: str | None = None,
+        row_counts: bool = False,
     ) -> Written:
         """Eq. 1 from generation ``base``'s files and the round's deltas (local files, or
         objects by name, opened side by side) into generation ``base + 1``'s; the merged
-        second-moment factors (``shared_moments``) go to the end of its global model."""
+        second-moment factors (``shared_moments``) go to the end of its global model. With
+        ``row_counts`` the rows of a tensor the deltas count rows of are weighted by those
+        counts (:mod:`crossfed.rowcounts`)."""
         sources = self._open(deltas)
-        extra = self._merged_moments(sources, tokens, shapes, sites) if shared_moments else {}
+        sent = self._side_tensors(sources, shapes, sites, shared_moments, row_counts)
+        extra = moments.merge([m for m, _ in sent], tokens) if shared_moments else {}
+        counts = _by_tensor([c for _, c in sent]) if row_counts else None
 
         def step(emit: Emit) -> OuterStepReport:
-            return merge_step(self.master_path(base), shapes, sources, tokens, emit, outer)
+            return merge_step(
+                self.master_path(base), shapes, sources, tokens, emit, outer, row_counts=counts
+            )
 
         digest, report, checkpoint_s, size = self._write(
             base + 1, shapes, step, True, extra, model_object
@@ -172,32 +179,45 @@ class LocalMerger:
         opened = iter(open_objects(self.objects, names))
         return [next(opened) if isinstance(d, str) else d for d in deltas]
 
-    def _merged_moments(
+    def _side_tensors(
         self,
         sources: Sequence[Path | TensorFile],
-        tokens: Sequence[int],
         shapes: Shapes,
         sites: Sequence[str],
-    ) -> dict[str, torch.Tensor]:
-        """The token-weighted mean of the second-moment factors the deltas carry; a site's
-        factors that do not fit the model are left out, and logged."""
+        factors: bool,
+        counts: bool,
+    ) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+        """Each delta's second-moment factors and row counts (when asked); what does not fit
+        the model is left out, and logged."""
+        if not factors and not counts:
+            return [({}, {}) for _ in sources]
 
-        def read(source: Path | TensorFile) -> dict[str, torch.Tensor]:
+        def read(source: Path | TensorFile) -> tuple[dict, dict]:
+            def both(delta: DecodedDelta) -> tuple[dict, dict]:
+                return (
+                    delta.moments() if factors else {},
+                    delta.row_counts() if counts else {},
+                )
+
             if isinstance(source, TensorFile):  # an object: the merge closes it
-                return decoded(source).moments()
+                return both(decoded(source))
             with TensorFile(source) as handle:
-                return decoded(handle).moments()
+                return both(decoded(handle))
 
         with ThreadPoolExecutor(max_workers=max(1, len(sources))) as pool:  # trips overlap
             read_back = list(pool.map(read, sources))
-        sent: list[dict[str, torch.Tensor]] = []
-        for site, factors in zip(sites, read_back, strict=True):
-            wrong = moments.problem(factors, shapes)
+        out = []
+        for site, (sent_factors, sent_counts) in zip(sites, read_back, strict=True):
+            wrong = moments.problem(sent_factors, shapes)
             if wrong:
                 log.warning("second-moment factors of site %s left out: %s", site, wrong)
-                factors = {}
-            sent.append(factors)
-        return moments.merge(sent, tokens)
+                sent_factors = {}
+            wrong = rowcounts.problem(sent_counts, shapes)
+            if wrong:
+                log.warning("row counts of site %s left out: %s", site, wrong)
+                sent_counts = {}
+            out.append((sent_factors, sent_counts))
+        return out
 
     def _write(
         self,
@@ -334,13 +354,14 @@ class RemoteMerger:
         shared_moments: bool,
         sites: Sequence[str],
         model_object: str | None = None,
+        row_counts: bool = False,
     ) -> Written:
         if not all(isinstance(d, str) for d in deltas):
             raise ValueError("a merge worker reads deltas from the object store only")
         answer = self._call("POST", f"/v1/generations/{base + 1}", {
             "base": base, "shapes": shape_pairs(shapes), "deltas": list(deltas),
             "tokens": list(tokens), "outer": asdict(outer), "shared_moments": shared_moments,
-            "sites": list(sites), "model_object": model_object,
+            "sites": list(sites), "model_object": model_object, "row_counts": row_counts,
         })  # fmt: skip
         return Written.from_dict(answer)
 
@@ -349,6 +370,12 @@ class RemoteMerger:
             "oldest_master": oldest_master, "oldest_global": oldest_global,
             "keep_start": keep_start,
         }, retry=False)  # fmt: skip
+
+
+def _by_tensor(sent: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, list[torch.Tensor | None]]:
+    """Row counts by the tensor they count, one entry per delta (None: that delta sent none)."""
+    params = sorted({key.removeprefix(rowcounts.PREFIX) for counts in sent for key in counts})
+    return {p: [counts.get(rowcounts.count_key(p)) for counts in sent] for p in params}
 
 
 def shape_pairs(shapes: Shapes) -> list[list[Any]]:

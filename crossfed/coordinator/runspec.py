@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from crossfed import moments
+from crossfed import moments, rowcounts
 from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
@@ -66,6 +66,10 @@ class RunSpec:
     #: :mod:`crossfed.moments`): ``shared`` or ``own``; None is not yet decided (a config
     #: that leaves it unset), resolved when the run is stored (:func:`resolve_outer`)
     second_moment: str | None = None
+    #: how the outer step weights an embedding's rows (``outer.embedding_rows``,
+    #: :mod:`crossfed.rowcounts`): ``counts`` or ``shares``; None is not yet decided,
+    #: resolved when the run is stored (:func:`resolve_outer`)
+    embedding_rows: str | None = None
     #: the first ``early_rounds`` rounds train ``early_steps`` inner steps each, the later
     #: ones ``inner_steps`` (``inner.early_rounds``; docs/quality.md, "Early rounds")
     early_rounds: int = 0
@@ -105,6 +109,8 @@ class RunSpec:
                 leases=LeasePolicy(**data.get("leases", {})),
                 # a run stored before the setting existed kept each site's own
                 second_moment=data.get("second_moment", moments.LEGACY_MODE),
+                # a run stored before the setting existed weighted every row by token shares
+                embedding_rows=data.get("embedding_rows", rowcounts.LEGACY_MODE),
                 # a run stored before early rounds existed has none
                 early_rounds=int(data.get("early_rounds", 0)),
                 early_steps=int(data.get("early_steps", 0)),
@@ -138,6 +144,11 @@ class RunSpec:
                 f"second_moment must be one of {', '.join(moments.MODES)}, "
                 f"got {spec.second_moment!r}"
             )
+        if spec.embedding_rows is not None and spec.embedding_rows not in rowcounts.MODES:
+            raise RunSpecError(
+                f"embedding_rows must be one of {', '.join(rowcounts.MODES)}, "
+                f"got {spec.embedding_rows!r}"
+            )
         problem = flavour_error(spec.flavour)
         if problem:
             raise RunSpecError(f"flavour: {problem}")
@@ -145,13 +156,14 @@ class RunSpec:
 
 
 def resolve_outer(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
-    """``spec`` with its outer preset and its second-moment mode decided: one left unset
-    (None) takes the existing run's, or the default (:data:`~crossfed.outer.DEFAULT_PRESET`,
-    :data:`~crossfed.moments.DEFAULT_MODE`) for a new run.
+    """``spec`` with its outer preset, its second-moment mode and its embedding rows'
+    weighting decided: one left unset (None) takes the existing run's, or the default
+    (:data:`~crossfed.outer.DEFAULT_PRESET`, :data:`~crossfed.moments.DEFAULT_MODE`,
+    :data:`~crossfed.rowcounts.DEFAULT_MODE`) for a new run.
 
-    So a changed default never changes a run in progress: a run keeps the preset and mode
-    it was created with when its config leaves ``outer.preset`` or ``inner.second_moment``
-    unset.
+    So a changed default never changes a run in progress: a run keeps the settings it was
+    created with when its config leaves ``outer.preset``, ``inner.second_moment`` or
+    ``outer.embedding_rows`` unset.
     """
     if spec.outer.preset is None:
         preset = existing.outer.preset if existing is not None else DEFAULT_PRESET
@@ -159,6 +171,9 @@ def resolve_outer(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
     if spec.second_moment is None:
         mode = existing.second_moment if existing is not None else moments.DEFAULT_MODE
         spec = replace(spec, second_moment=mode)
+    if spec.embedding_rows is None:
+        rows = existing.embedding_rows if existing is not None else rowcounts.DEFAULT_MODE
+        spec = replace(spec, embedding_rows=rows)
     return spec
 
 
@@ -241,6 +256,7 @@ def run_spec(config: RunConfig, sites: Mapping[str, SiteConfig]) -> RunSpec:
             probe_share=darl.probe_share,
         ),
         second_moment=inner.second_moment,
+        embedding_rows=outer.embedding_rows,
         early_rounds=inner.early_rounds,
         early_steps=early_steps,
     )

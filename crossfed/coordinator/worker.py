@@ -59,6 +59,7 @@ class MergeRequest(BaseModel):
     shared_moments: bool
     sites: list[str]
     model_object: str | None = None
+    row_counts: bool = False
 
 
 class RetainRequest(BaseModel):
@@ -148,6 +149,7 @@ def create_worker_app(merger: LocalMerger, admin_token: str) -> FastAPI:
                 shared_moments=body.shared_moments,
                 sites=body.sites,
                 model_object=body.model_object,
+                row_counts=body.row_counts,
             )
             answered[key] = written.to_dict()
             while len(answered) > REMEMBERED:

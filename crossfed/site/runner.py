@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from crossfed import moments
+from crossfed import moments, rowcounts
 from crossfed.client.http import CoordinatorClient
 from crossfed.coordinator.faults import crash_armed, crash_point
 from crossfed.darl.blockspace import BlockSpace
@@ -797,7 +797,7 @@ class SiteRunner:
                     params, reference, delta_path, {"site": self.s.site, "round": str(round_no)},
                     codec=self.s.compress, residual_in=carried, residual_out=residual_path,
                     residual_metadata=checkpoint.residual_metadata(round_no, start.generation),
-                    extra=factors,
+                    extra={**factors, **self._row_counts(start, state)},
                 )  # fmt: skip
             pending = PendingDelta(
                 round=round_no, lease_id=start.lease_id, generation=start.generation,
@@ -817,6 +817,21 @@ class SiteRunner:
         del params
         outcome.checkpoint_s = state.checkpoint_s + time.perf_counter() - t1
         return pending
+
+    def _row_counts(self, start: RoundStart, state: PhaseState) -> dict[str, torch.Tensor]:
+        """How often each token was an input of the windows the phase trained, for the
+        coordinator to weight the embedding's rows by (:mod:`crossfed.rowcounts`; every
+        rank's windows, read again from the store a block at a time)."""
+        assert self.model is not None
+        embedding = parameters_of(self.model).get(rowcounts.EMBEDDING)
+        if embedding is None:
+            return {}
+        vocab = embedding.shape[0]
+        total = torch.zeros(vocab)
+        windows = LeaseWindows.of(self._ranges(start.lease["blocks"]))
+        for begin, stop in windows.spans(0, state.windows):
+            total += rowcounts.token_counts(self.store.windows(begin, stop), vocab)
+        return {rowcounts.count_key(rowcounts.EMBEDDING): total}
 
     def _write_pending(self, pending: PendingDelta) -> None:
         write_atomic(self.pending_path, pending.to_json())

@@ -25,7 +25,7 @@ from torchtitan.models.qwen3 import (
     qwen3_configs,
 )
 
-from crossfed.moments import is_moment_key
+from crossfed.moments import is_side_key
 
 
 class ModelConfigError(ValueError):
@@ -231,7 +231,7 @@ def matching_parameters(
     """The model's parameters, after checking ``tensors`` has exactly their names and shapes
     (a global model's second-moment factors, :mod:`crossfed.moments`, are not parameters)."""
     params = parameters_of(model)
-    names = {name for name in tensors if not is_moment_key(name)}
+    names = {name for name in tensors if not is_side_key(name)}
     missing = sorted(set(params) - names)
     extra = sorted(names - set(params))
     if missing or extra:

@@ -38,8 +38,9 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from crossfed.moments import is_moment_key
+from crossfed.moments import is_moment_key, is_side_key
 from crossfed.outer import DeltaError
+from crossfed.rowcounts import is_count_key
 from crossfed.wire.deltas import delta_tensor
 from crossfed.wire.tensors import TensorSpec, save_stream, stream_writer
 
@@ -313,17 +314,20 @@ def save_delta(
     ``global_params`` and ``residual_in`` may be lazy
     (:func:`crossfed.wire.tensors.open_tensors`), so no second copy of the model is ever held.
     Tensor names come from ``global_params``. ``extra`` tensors (the site's second-moment
-    factors, :mod:`crossfed.moments`; their names carry its prefix) follow the delta
+    factors, :mod:`crossfed.moments`, and row counts, :mod:`crossfed.rowcounts`; their
+    names carry their prefixes) follow the delta
     as they are, neither encoded nor fed back.
     """
     enc = encoder(codec, block)
-    names = [n for n in global_params.keys() if not is_moment_key(n)]
+    names = [n for n in global_params.keys() if not is_side_key(n)]
     shapes = {name: tuple(site_params[name].shape) for name in names}
     specs = [spec for name in names for spec in enc.specs(name, shapes[name])]
     extra = dict(extra or {})
-    bad = [k for k in extra if not is_moment_key(k)]
+    bad = [k for k in extra if not is_side_key(k)]
     if bad:
-        raise ValueError(f"extra delta tensor {bad[0]!r} is not a second-moment factor")
+        raise ValueError(
+            f"extra delta tensor {bad[0]!r} is neither a second-moment factor nor row counts"
+        )
     specs += [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
     meta = {**dict(metadata or {}), **enc.metadata(shapes)}
     stored_base = {spec.name: name for name in names for spec in enc.specs(name, shapes[name])}
@@ -381,8 +385,9 @@ class DecodedDelta(Mapping[str, Tensor]):
         self.codec = meta.get(CODEC_KEY, "none")
         if self.codec not in CODECS:
             raise CodecError(f"delta uses unknown codec {self.codec!r}")
-        stored = [k for k in handle.keys() if not is_moment_key(k)]
+        stored = [k for k in handle.keys() if not is_side_key(k)]
         self._moments = [k for k in handle.keys() if is_moment_key(k)]
+        self._counts = [k for k in handle.keys() if is_count_key(k)]
         self.block = BLOCKS.get(self.codec, BLOCK)
         self.shapes: dict[str, tuple[int, ...]] = {}
         if self.codec == "none":
@@ -416,15 +421,23 @@ class DecodedDelta(Mapping[str, Tensor]):
     def moments(self) -> dict[str, Tensor]:
         """The site's second-moment factors the file carries (:mod:`crossfed.moments`;
         empty: none), in fp32. They are not among the mapping's keys."""
+        return self._side(self._moments, "second-moment factor")
+
+    def row_counts(self) -> dict[str, Tensor]:
+        """The embedding row counts the file carries (:mod:`crossfed.rowcounts`; empty:
+        none), in fp32. They are not among the mapping's keys."""
+        return self._side(self._counts, "row counts")
+
+    def _side(self, keys: list[str], what: str) -> dict[str, Tensor]:
         read_many = getattr(self.handle, "read_many", None)  # a TensorFile: one read a run
         if read_many is not None:
-            stored = read_many(self._moments)
+            stored = read_many(keys)
         else:
-            stored = {key: self.handle.get_tensor(key) for key in self._moments}
+            stored = {key: self.handle.get_tensor(key) for key in keys}
         out = {}
         for key, value in stored.items():
             if not value.is_floating_point():
-                raise CodecError(f"second-moment factor {key!r} is stored as {value.dtype}", key)
+                raise CodecError(f"{what} {key!r} is stored as {value.dtype}", key)
             out[key] = value.float()
         return out
 

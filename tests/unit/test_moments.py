@@ -151,7 +151,7 @@ def test_a_delta_file_carries_factors_beside_the_delta_not_among_its_tensors(
             assert sorted(delta.keys()) == ["norm", "w"]
             assert torch.equal(delta.moments()[moments.factor_key("w", moments.ROW)],
                                factors[moments.factor_key("w", moments.ROW)])  # fmt: skip
-    with pytest.raises(ValueError, match="is not a second-moment factor"):
+    with pytest.raises(ValueError, match="is neither a second-moment factor nor row counts"):
         save_delta(site, ref, tmp_path / "bad.safetensors", extra={"w": torch.ones(1)})
 
 

@@ -15,18 +15,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
+from crossfed import rowcounts
 from crossfed.client.http import CoordinatorClient
 from crossfed.config import load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.darl.blockspace import BlockSpace
-from crossfed.data.windows import read_meta
+from crossfed.data.windows import WindowStore, read_meta
 from crossfed.site import SiteRunner, block_end, out_of_time
 from crossfed.site.control import Control
 from crossfed.site.job import site_settings
 from crossfed.train import checkpoint
+from crossfed.wire.codecs import open_delta
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
 from tests.helpers.lost_reply import LostReply
 
@@ -89,6 +93,33 @@ def test_a_site_round_trains_its_lease_and_commits_it(
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     assert other_job.returncode != 0 and "SiteBusy" in other_job.stderr, other_job.stderr
+
+
+def test_a_sites_delta_counts_how_often_each_token_was_an_input_of_the_windows_it_trained(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """The delta a site sends carries, beside its tensors, the count of each token of the
+    vocabulary among the inputs of the windows it trained (crossfed.rowcounts): what the
+    coordinator weights the embedding's rows by."""
+    init(coordinator, tiny_data)
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
+    runner = SiteRunner(
+        site_settings(config, "lumi", load_sites(config)["lumi"]), coordinator.client("lumi")
+    )
+    outcome = runner.run_round(1)
+    assert outcome.status == "accepted", outcome.detail
+    with sqlite3.connect(coordinator.state_dir / "state.sqlite") as db:
+        (key,) = db.execute("SELECT blob FROM deltas WHERE site = 'lumi'").fetchone()
+    algo, _, digest = key.rpartition(":")
+    with open_delta(coordinator.state_dir / "blobs" / algo / digest[:2] / digest) as delta:
+        counts = delta.row_counts()[rowcounts.count_key(rowcounts.EMBEDDING)]
+        assert rowcounts.EMBEDDING in delta.keys()
+    cursor = checkpoint.latest(tmp_path / "results" / "sites" / "lumi" / "state")
+    assert cursor is not None
+    windows = [w for b in cursor["blocks"] for w in runner.space.block_windows(b)]
+    store = WindowStore.open(tiny_data, "train")
+    expected = rowcounts.token_counts(store.take(np.asarray(windows)), counts.numel())
+    assert torch.equal(counts, expected) and int(counts.sum()) == outcome.tokens == 32 * 32
 
 
 def test_with_background_checkpoints_off_every_checkpoint_is_written_before_training_goes_on(
