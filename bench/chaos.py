@@ -109,6 +109,7 @@ class ChaosConfig:
     min_ttl_s: float = 6.0  # the leases' shortest TTL
     checkpoint_every: int = 0  # inner steps between mid-phase checkpoints (0: none)
     step_s: float = 0.0  # each step lasts at least this long times the site's slowdown
+    embedding_rows: str | None = None  # outer.embedding_rows (None: a new run's default)
 
 
 SHORT = ChaosConfig(rounds=4, coordinator_kills=1, site_kills=2, timeout_s=600.0)
@@ -319,6 +320,7 @@ def run_spec(data: Path, config: ChaosConfig) -> RunSpec:
         ),
         rounds=RoundPolicy(join_window_s=2.0, deadline_s=60.0),
         leases=LeasePolicy(min_ttl_s=config.min_ttl_s, initial_ttl_s=30.0),
+        embedding_rows=config.embedding_rows,
     )
 
 

@@ -118,6 +118,7 @@ class SoakConfig:
     restart_s: tuple[float, float] = (1.0, 3.0)
     timeout_s: float = 3600.0
     faults: bool = True
+    embedding_rows: str | None = None  # outer.embedding_rows (None: a new run's default)
 
     def worker_config(self) -> ChaosConfig:
         """What the site processes and the run spec need (``bench/chaos.py``'s shape)."""
@@ -131,6 +132,7 @@ class SoakConfig:
             min_ttl_s=self.min_ttl_s,
             checkpoint_every=self.checkpoint_every,
             step_s=self.step_s,
+            embedding_rows=self.embedding_rows,
         )
 
 
@@ -153,6 +155,8 @@ PRESETS = {
         disk_full_every=4,
         stall_s=(0.5, 2.0),
         timeout_s=270.0,
+        # the rows weighted by the sites' counts: the checker replays that path in every CI
+        embedding_rows="counts",
     ),
 }
 

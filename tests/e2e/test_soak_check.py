@@ -298,6 +298,25 @@ def test_final_second_moment_factors_are_the_token_weighted_mean_or_caught(
     assert result["ok"] is False
 
 
+def test_the_embedding_rows_are_replayed_weighted_by_the_sites_counts(state: Path) -> None:
+    """The run weights the embedding's rows by the sites' token counts (a new run's
+    default): its deltas carry them, and a replay that weighted every row by the token
+    shares instead would not rebuild the coordinator's master."""
+    blob = DeltaBlob(blob_path(state, merged_delta(state, 2)["blob"]), "round 2")
+    assert (
+        blob.row_counts("tok_embeddings.weight", blob.shape("tok_embeddings.weight")[0]) is not None
+    )
+    with closing(sqlite3.connect(state / "state.sqlite")) as conn, conn:
+        (value,) = conn.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()
+        spec = json.loads(value)
+        assert spec["embedding_rows"] == "counts"
+        spec["embedding_rows"] = "shares"
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'spec'", (json.dumps(spec),))
+    result = check(state)
+    assert result["replay_max_error"] > 1e-4
+    assert result["ok"] is False
+
+
 def test_commit_moved_to_next_round_is_caught(state: Path) -> None:
     delta = merged_delta(state, 2)
     execute(state, "UPDATE deltas SET round_no = 3 WHERE lease_id = ?", delta["lease_id"])
