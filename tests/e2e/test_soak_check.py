@@ -299,9 +299,9 @@ def test_final_second_moment_factors_are_the_token_weighted_mean_or_caught(
 
 
 def test_the_embedding_rows_are_replayed_weighted_by_the_sites_counts(state: Path) -> None:
-    """The run weights the embedding's rows by the sites' token counts (a new run's
-    default): its deltas carry them, and a replay that weighted every row by the token
-    shares instead would not rebuild the coordinator's master."""
+    """The CI preset weights the embedding's rows by the sites' token counts: its deltas
+    carry them, and a replay that weighted every row by the token shares instead would not
+    rebuild the coordinator's master."""
     blob = DeltaBlob(blob_path(state, merged_delta(state, 2)["blob"]), "round 2")
     assert (
         blob.row_counts("tok_embeddings.weight", blob.shape("tok_embeddings.weight")[0]) is not None
