@@ -229,3 +229,47 @@ def test_a_new_run_weights_rows_by_shares_a_run_keeps_its_own_and_one_stored_bef
     assert rerun.embedding_rows == rowcounts.SHARES
     with pytest.raises(RunSpecError, match="embedding_rows must be one of counts, shares"):
         RunSpec.from_dict({**new.to_dict(), "embedding_rows": "rows"})
+
+
+def test_a_round_with_a_delta_that_counts_no_rows_merges_the_embedding_by_token_shares(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A site of an older version sends no counts: that round's embedding is merged with
+    the token shares, as every other tensor, and the log says so."""
+    master, deltas = _state(3)
+    tokens = [5, 10, 25]
+    save_tensors(master, tmp_path / "master-0", {"generation": "0"}, algo=None)
+    paths = []
+    for i, delta in enumerate(deltas):
+        site = {k: master[k] + delta[k].float() for k in master}
+        paths.append(tmp_path / f"delta-{i}")
+        extra = {} if i == 1 else {rowcounts.count_key(EMB): torch.rand(5) * 3}
+        save_delta(site, master, paths[-1], extra=extra)
+    got: dict[str, torch.Tensor] = {}
+
+    def emit(name: str, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        got[name] = w.clone()
+
+    shapes = {k: tuple(v.shape) for k, v in master.items()}
+    counts: list[torch.Tensor | None] = []
+    for path in paths:
+        with open_delta(path) as opened:
+            counts.append(opened.row_counts().get(rowcounts.count_key(EMB)))
+    assert counts[1] is None and counts[0] is not None
+    merge_step(tmp_path / "master-0", shapes, paths, tokens, emit, OuterConfig(preset="average"),
+               row_counts={EMB: counts})  # fmt: skip
+    expected = {k: v.clone() for k, v in master.items()}
+    outer_step(expected, {}, deltas, tokens, OuterConfig(preset="average"), kernel="eager")
+    assert all(torch.equal(got[k], expected[k]) for k in master)
+    assert "merged with token shares" in caplog.text
+
+
+def test_counts_that_do_not_fit_the_model_are_named() -> None:
+    shapes = {EMB: (5, 3), "norm": (3,)}
+    key = rowcounts.count_key(EMB)
+    assert rowcounts.problem({key: torch.ones(5)}, shapes) is None
+    assert "has 5 rows" in str(rowcounts.problem({key: torch.ones(4)}, shapes))
+    assert "negative or non-finite" in str(rowcounts.problem({key: -torch.ones(5)}, shapes))
+    assert "non-finite" in str(rowcounts.problem({key: torch.full((5,), float("nan"))}, shapes))
+    other = rowcounts.count_key("output.weight")
+    assert "no tensor of the model" in str(rowcounts.problem({other: torch.ones(5)}, shapes))
