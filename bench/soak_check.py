@@ -6,7 +6,8 @@ library and numpy only, nothing of ``crossfed``), what the coordinator claims:
 
 * ledger replay: the DARL event log (``darl_events``) is replayed into a lease book written
   here from the documented rules (lowest pooled run first, steals take half the largest
-  rest, TTL expiry, release, commit of a prefix); an event the rules refuse is a problem;
+  rest, TTL expiry, the revival of an expired lease whose positions are all still pooled,
+  release, commit of a prefix); an event the rules refuse is a problem;
 * exactly once: every (epoch, block) is committed once by the replayed commit events, once
   by the accepted deltas (``deltas``, through their leases) and once in the commit audit
   table (``darl_committed``); in finished epochs no block is missing from any of the three
@@ -442,6 +443,30 @@ class LedgerReplay:
             lease.ttl_s = float(args["ttl_s"])
         lease.consumed = 0
         lease.expires_at = now + lease.ttl_s
+
+    def _on_revive(self, seq: int, args: dict[str, Any]) -> None:
+        """A lease heard from after its TTL lives again, if its positions are all pooled."""
+        lease = self._owned(int(args["lease_id"]), args["site"])
+        owners = self._owners(lease.epoch)
+        consumed = int(args["consumed"])
+        if not lease.consumed <= consumed <= lease.end - lease.start:
+            raise Refused(
+                f"consumed {consumed} outside [{lease.consumed}, {lease.end - lease.start}]"
+            )
+        if lease.status == "expired":
+            self._not_holding(lease.site, lease.round_no)
+            if (owners[lease.start : lease.end] != POOLED).any():
+                raise Refused(f"lease {lease.lease_id}'s positions were granted since it expired")
+            owners[lease.start : lease.end] = lease.lease_id
+            self.figures(lease.site).granted += lease.end - lease.start
+            lease.status = "active"
+            self.active[lease.lease_id] = lease
+        elif lease.status != "active":
+            raise Refused(f"lease {lease.lease_id} is {lease.status}")
+        if args.get("ttl_s") is not None:
+            lease.ttl_s = float(args["ttl_s"])
+        lease.consumed = consumed
+        lease.expires_at = float(args["now"]) + lease.ttl_s
 
     def _on_commit(self, seq: int, args: dict[str, Any]) -> None:
         lease = self._owned(int(args["lease_id"]), args["site"])

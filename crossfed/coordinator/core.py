@@ -235,6 +235,34 @@ class Core:
         self.ledger.maybe_checkpoint(self.book, self.ledger_checkpoint_every)
         return result
 
+    def _event_or_revive(self, op: str, args: dict[str, Any]) -> Any:
+        """``op`` (a heartbeat or a commit) on its lease; if the lease's TTL ran out while
+        its holder trained on, the lease is first revived (``LeaseBook.revive``) when its
+        round is still to be merged and none of its blocks was granted since. Otherwise the
+        lease book's refusal of ``op`` stands."""
+        assert self.book is not None
+        try:
+            return self._event(op, args)
+        except LeaseError as exc:
+            if exc.code != "expired" or not self._round_unmerged(args["lease_id"]):
+                raise
+            refusal = exc
+        beat = {k: args[k] for k in ("lease_id", "site", "consumed", "now", "ttl_s") if k in args}
+        try:
+            lease = self._event("revive", beat)
+        except LeaseError:
+            raise refusal from None
+        log.info("lease %d of %s lived again when heard from after its TTL: none of its %d "
+                 "blocks had been granted since", lease.lease_id, lease.site,
+                 lease.n_blocks)  # fmt: skip
+        return self._event(op, args) if op != "heartbeat" else lease
+
+    def _round_unmerged(self, lease_id: int) -> bool:
+        """Whether ``lease_id``'s round is the open round (not closing) or the next."""
+        assert self.book is not None
+        round_no = self.book.lease(lease_id).round_no
+        return round_no >= self.current_round()["round_no"] and round_no != self._closing
+
     def current_round(self) -> dict[str, Any]:
         """The open round's row."""
         row = store.current_round(self.conn)

@@ -210,7 +210,9 @@ class Intake(Core):
         try:
             with lease_errors(409), self._mutation():
                 args = {"lease_id": lease_id, "site": site, "consumed": consumed, "now": now}
-                result = self._event("commit", {**args, "idle_s": idle_s} if idle_s else args)
+                result = self._event_or_revive(
+                    "commit", {**args, "idle_s": idle_s} if idle_s else args
+                )
                 blocks = self.space.permutation(lease.epoch)[lease.start : lease.start + consumed]
                 self.ledger.record_commit_blocks(lease.epoch, site, lease_id, blocks.tolist())
                 store.add_delta(self.conn, **claim.row(), accepted_at=now)

@@ -1,7 +1,8 @@
 """The coordinator's leasing: sites register, lease blocks, beat and release.
 
 A grant is sized by the site's pace (``LeaseBook.grant_size``), an early lease also to end
-with its round (``_to_round_end``); a lease's TTL by its step time and the RTT this
+with its round (``_to_round_end``), and takes the rest of the pooled run it cuts when that
+rest is a crumb (``CRUMB_SHARE``); a lease's TTL by its step time and the RTT this
 coordinator measures itself from the heartbeats' echoes.
 """
 
@@ -21,6 +22,9 @@ MAX_RTT_MS = 60_000.0  # a measured RTT sample is clamped to this
 ECHOES_PER_SITE = 4  # outstanding RTT nonces kept per site (a site may beat for two leases)
 PACE_LIVE_S = 3600.0  # sites seen within this long count towards the mean pace
 PACE_MAX_SCALE = 4.0  # a grant is at most this many times the requested phase
+#: a grant that would leave at most this share of its size behind in the pooled run it cuts
+#: takes that rest too: no lease of a few steps at an epoch's end, with a merge to wait for
+CRUMB_SHARE = 0.25
 
 
 class Leasing(Views):
@@ -118,6 +122,7 @@ class Leasing(Views):
                     size = self._to_round_end(
                         site, size, n_blocks, current["round_no"], now, spec.rounds.deadline_s
                     )
+                size = self.book.uncut_size(size, math.floor(CRUMB_SHARE * size), early)
                 ranks = store.site_ranks(self.conn, site) or 1
                 with self._mutation():
                     args = {"site": site, "now": now, "ttl_s": ttl, "round_no": round_no}
@@ -202,7 +207,7 @@ class Leasing(Views):
             ttl = self._ttl(site, t_step_s, store.site_rtt_ms(self.conn, site))
             renewed_at = self._renewed_at(lease_id)
             with lease_errors(409), self._mutation(fsync=False):
-                lease = self._event(
+                lease = self._event_or_revive(
                     "heartbeat",
                     {
                         "lease_id": lease_id,

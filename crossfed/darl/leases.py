@@ -12,6 +12,8 @@ holds (the lease of round r uploading and committing while round r+1's trains). 
 steal for round r is refused (`already_holding`) while the site holds a lease of round r or
 later, or holds two. A steal never takes from the thief's own other lease. A restarted job
 takes over the live lease its dead predecessor held (`adopt`) rather than waiting for its TTL.
+A lease whose TTL ran out while its holder trained on, its heartbeats cut off, lives again
+when the holder is heard from (`revive`), if none of its blocks was granted meanwhile.
 
 Leasing ahead (overlapped rounds): a grant asked with ``ahead=True`` (the coordinator's early
 leases of the next round) that finds the epoch's pool empty takes from the next epoch's
@@ -188,6 +190,13 @@ class _Positions:
         self.committed[start:end] = True
         self.n_committed += end - start
 
+    def lowest_run(self) -> int:
+        """The length of the pooled run ``take`` cuts from (0: the pool is empty)."""
+        if self.returned:
+            start, end = self.returned.peekitem(0)
+            return end - start
+        return self.n_blocks - self.cursor
+
     def take(self, n: int) -> tuple[int, int] | None:
         """Remove and return the lowest pooled run, cut to at most n positions."""
         if self.returned:
@@ -202,6 +211,27 @@ class _Positions:
             return None
         self.pooled -= end - start
         return start, end
+
+    def take_span(self, start: int, end: int) -> bool:
+        """Remove exactly [start, end) from the pool if every position of it is pooled."""
+        if start >= self.cursor:  # never granted since: what lies before it stays pooled
+            if start > self.cursor:  # no returned run ends at the cursor (give_back merges)
+                self.returned[self.cursor] = start
+            self.cursor = end
+        else:
+            i = self.returned.bisect_right(start) - 1
+            if i < 0:
+                return False
+            first, last = self.returned.peekitem(i)
+            if last < end:
+                return False
+            del self.returned[first]
+            if first < start:
+                self.returned[first] = start
+            if end < last:
+                self.returned[end] = last
+        self.pooled -= end - start
+        return True
 
     def give_back(self, start: int, end: int) -> None:
         """Put [start, end) back in the pool, merging with neighbouring runs and the cursor."""
@@ -399,6 +429,17 @@ class LeaseBook:
         return proportional_grant(requested, own, mean, lo=1, hi=hi)
 
     # ---- commands ------------------------------------------------------------------------
+
+    def uncut_size(self, n_blocks: int, within: int, ahead: bool = False) -> int:
+        """The size to grant instead of ``n_blocks`` so that a grant leaves no crumb: the
+        whole pooled run it would cut from when at most ``within`` positions of that run
+        would be left behind (an epoch's last blocks, a lost lease's tail), else
+        ``n_blocks``. ``ahead`` as in `grant`. A pure query."""
+        n_blocks, within = _count("n_blocks", n_blocks, 1), _count("within", within)
+        run = self._current.lowest_run()
+        if not run and ahead:
+            run = self.n_blocks if self._ahead is None else self._ahead.lowest_run()
+        return run if n_blocks < run <= n_blocks + within else n_blocks
 
     def register(self, site: str, now: float) -> None:
         """A site joins (again): counts one entry. Its old leases, if any, live on their TTL."""
@@ -671,6 +712,49 @@ class LeaseBook:
                 f"lease {lease_id}: adopted at consumed {consumed}, but it is at {lease.consumed}",
             )
         return self._renew(lease, 0, now, ttl_s)
+
+    def revive(
+        self, lease_id: int, site: str, consumed: int, now: float, ttl_s: float | None = None
+    ) -> Lease:
+        """Its holder is heard from after its lease's TTL ran out (its heartbeats were cut
+        off, not the site): the lease lives again, at ``consumed`` (a heartbeat's or a
+        commit's progress), if none of its blocks was granted since; else it stays expired.
+
+        An expired lease's blocks went back to the pool: they come out again, and count as
+        granted again (``blocks_granted``; its expiry stays in ``blocks_lost``). A lease
+        still active past its TTL (the expiry sweep had not run yet) is renewed. Refused
+        (and nothing changes) for a released or committed lease, a closed epoch, progress
+        behind what the lease last reported, blocks granted since (``expired``), or a
+        lease the site could not be granted now (``already_holding``).
+        """
+        lease = self._owned(lease_id, site)
+        now = _finite("now", now)
+        consumed = _count("consumed", consumed)
+        if lease.epoch not in self.open_epochs():
+            raise LeaseError("stale_epoch", f"lease {lease_id} is from epoch {lease.epoch}")
+        if lease.status == COMMITTED:
+            raise LeaseError("committed", f"lease {lease_id} is already committed")
+        if lease.status not in (ACTIVE, EXPIRED):
+            raise LeaseError("expired", f"lease {lease_id} is {lease.status}")
+        if consumed < lease.consumed or consumed > lease.n_blocks:
+            raise LeaseError(
+                "bad_progress",
+                f"lease {lease_id}: consumed {consumed} outside [{lease.consumed}, "
+                f"{lease.n_blocks}]",
+            )
+        if lease.status == EXPIRED:
+            self._check_not_holding(site, lease.round_no)
+            positions = self._positions(lease.epoch)
+            if not positions.take_span(lease.start, lease.end):
+                raise LeaseError(
+                    "expired",
+                    f"lease {lease_id} expired and blocks of it were granted since",
+                )
+            lease.status = ACTIVE
+            self._active[lease.lease_id] = lease
+            self._by_site.setdefault(site, []).append(lease)  # a later round than any held
+            self._stats[site].blocks_granted += lease.n_blocks
+        return self._renew(lease, consumed, now, ttl_s)
 
     def _get(self, lease_id: int) -> Lease:
         ok = isinstance(lease_id, int | np.integer) and not isinstance(lease_id, bool)

@@ -65,6 +65,7 @@ OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "grant": (("site", "n_blocks", "now", "ttl_s", "round_no"), ("requested", "ranks", "ahead")),
     "heartbeat": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
     "adopt": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
+    "revive": (("lease_id", "site", "consumed", "now"), ("ttl_s",)),
     "steal": (("site", "now", "ttl_s", "round_no"), ("ranks", "ahead")),
     "commit": (("lease_id", "site", "consumed", "now"), ()),
     "release": (("lease_id", "site", "now"), ()),
@@ -114,6 +115,8 @@ def apply_event(book: LeaseBook, op: str, args: Mapping[str, object]) -> object:
         return book.heartbeat(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))
     if op == "adopt":
         return book.adopt(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))
+    if op == "revive":
+        return book.revive(a["lease_id"], a["site"], a["consumed"], a["now"], a.get("ttl_s"))
     if op == "steal":
         ahead = {int(k): int(v) for k, v in (a.get("ahead") or {}).items()}  # JSON: str keys
         return book.steal(a["site"], a["now"], a["ttl_s"], a["round_no"], a.get("ranks"), ahead)

@@ -150,20 +150,24 @@ def test_delta_decoding_is_the_coordinators(encoding: str, tmp_path: Path) -> No
 @pytest.mark.parametrize("seed", range(3))
 def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
     """Random commands (grants, early ones leasing ahead into the next epoch, steals,
-    heartbeats, commits, releases, expiries, restarts' grace, epochs) on the coordinator's
-    LeaseBook; the checker's replay of the ones it took ends with the same leases and the
-    same per-site counts."""
+    heartbeats, commits, releases, expiries, revivals, restarts' grace, epochs) on the
+    coordinator's LeaseBook; the checker's replay of the ones it took ends with the same
+    leases and the same per-site counts."""
     rng = random.Random(seed)
     book, taken, now, round_no = LeaseBook(23), [], 0.0, 1
     leased_ahead: list[tuple[Any, int]] = []  # each grant, with the epoch current at it
+    leased: list[int] = []  # every lease id granted
+    revived_expired = 0
     for _ in range(2000):
         now += rng.uniform(0.0, 3.0)
         round_no += rng.random() < 0.02
         site = rng.choice("abc")
         held = [lease for lease in book.active_leases() if lease.site == site]
         op = rng.choice(["register", "grant", "steal", "heartbeat", "commit", "release"] * 2
-                        + ["expire", "grace"])  # fmt: skip
+                        + ["expire", "grace", "revive"])  # fmt: skip
         args: dict[str, Any] = {"now": now, "site": site}
+        if op == "revive":  # the site heard from again after its lease's TTL, maybe
+            held = [book.lease(i) for i in leased[-6:] if book.lease(i).site == site]
         if op in ("grant", "steal"):
             args.update(ttl_s=rng.uniform(2, 20), round_no=round_no + rng.randint(0, 1))
             if op == "grant":
@@ -173,7 +177,7 @@ def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
             else:  # blocks the coordinator judged each holder trained since its heartbeat
                 unheard = {str(x.lease_id): rng.randint(0, 2) for x in book.active_leases()}
                 args.update(ahead=unheard)
-        elif op in ("heartbeat", "commit", "release"):
+        elif op in ("heartbeat", "commit", "release", "revive"):
             if not held:
                 continue
             lease = rng.choice(held)
@@ -182,11 +186,15 @@ def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
                 args.update(consumed=rng.randint(lease.consumed, lease.end - lease.start))
         try:
             epoch = book.epoch
+            was = book.lease(args["lease_id"]).status if op == "revive" else None
             got = apply_event(book, op, args)
         except LeaseError:
             continue
+        revived_expired += was == "expired"
         if op == "grant" and got is not None:
             leased_ahead.append((got, epoch))
+        if op in ("grant", "steal") and got is not None:
+            leased.append(got.lease_id)
         taken.append((op, args))
         if book.epoch_complete():
             apply_event(book, "next_epoch", {"now": now})
@@ -201,6 +209,7 @@ def test_ledger_replay_is_the_coordinators_lease_book(seed: int) -> None:
         i: tuple(getattr(lease, f) for f in fields) for i, lease in replay.leases.items()
     }
     assert sum(s["steals"] for s in snapshot["stats"].values()) > 0
+    assert revived_expired > 0  # an expired lease lived again, its positions re-leased
     assert any(lease.epoch > epoch for lease, epoch in leased_ahead)  # the ahead path ran
     for site, stats in snapshot["stats"].items():
         mine = replay.figures(site)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from bench import soak_check
 from crossfed.client.http import Refused
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy
 from crossfed.darl.blockspace import BlockSpace
@@ -507,6 +508,73 @@ def test_an_early_lease_whose_ttl_lapses_returns_only_its_blocks(
     # its blocks are back in the pool: the next grant of round 1 gets exactly them
     regained = lease(darl, "lumi", 3)
     assert regained["blocks"] == ahead["blocks"]
+
+
+def test_a_lease_heard_from_after_its_ttl_lives_again_while_its_blocks_are_pooled(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """Sites whose requests were held up past their leases' TTL (a proxy holding them) are
+    heard from again: a heartbeat, or a commit, finds the lease's blocks still pooled (no
+    grant took them since), so the lease lives again at the progress it reports and its
+    delta commits its blocks, each once. The per-site ledger counts the blocks granted
+    again; the independent checker's replay of the event log agrees."""
+    g0 = global_model(darl, 0, tmp_path)
+    for site in ("snellius", "lumi", "frontier"):
+        join(darl, site, tiny_data)
+    cut = lease(darl, "snellius", 3, t_step=0.4)  # TTL 2 s, its heartbeats held up
+    held_up = lease(darl, "lumi", 3, t_step=0.4)  # TTL 2 s, its commit held up
+    kept = lease(darl, "frontier", 2, t_step=4.0)  # TTL 10 s, beating
+    deadline = time.monotonic() + 30
+    while sum(row["ttl_expiries"] for row in ledger(darl).values() if row["site"] != "total") < 2:
+        assert time.monotonic() < deadline, "the leases never expired"
+        darl.client("frontier").heartbeat(kept["lease_id"], "frontier", 1, 4.0)
+        time.sleep(0.3)
+    assert list(active(darl)) == [kept["lease_id"]]
+    reply = darl.client("snellius").heartbeat(cut["lease_id"], "snellius", 2, 0.4)
+    assert (reply["lease"]["lease_id"], reply["lease"]["consumed"]) == (cut["lease_id"], 2)
+    assert active(darl)[cut["lease_id"]]["blocks"] == cut["blocks"]
+    row = ledger(darl)["snellius"]
+    assert (row["blocks_granted"], row["blocks_lost"], row["ttl_expiries"]) == (6, 3, 1)
+    assert commit(darl, "snellius", cut, delta_file(tmp_path, g0, name="a"))["accepted"]
+    assert commit(darl, "lumi", held_up, delta_file(tmp_path, g0, seed=1, name="b"))["accepted"]
+    assert commit(darl, "frontier", kept, delta_file(tmp_path, g0, seed=2, name="c"))["accepted"]
+    space = space_of(tiny_data)
+    committed = [b for _, b, _, _ in audit(darl)]
+    want = space.permutation(0)[:8].tolist()
+    assert sorted(committed) == sorted(want) and len(committed) == 8  # each block once
+    for site, blocks in (("snellius", 3), ("lumi", 3), ("frontier", 2)):
+        row = ledger(darl)[site]
+        assert row["blocks_committed"] == blocks
+        assert row["blocks_granted"] == row["blocks_committed"] + row["blocks_lost"]
+    result = soak_check.check(darl.state_dir, rebuild=False)
+    assert (result["ok"], result["problems"], result["granted_mismatch"]) == (True, [], 0)
+    assert result["sites"]["lumi"] == {
+        "granted": 6, "committed": 3, "reclaimed": 3, "held": 0, "tokens": 1000,
+    }  # fmt: skip
+
+
+def test_a_lease_whose_blocks_were_granted_after_its_ttl_stays_expired(
+    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """Once another site was granted blocks of an expired lease, its holder's late
+    heartbeat and late commit are refused (``expired``) and change nothing."""
+    g0 = global_model(darl, 0, tmp_path)
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    cut = lease(darl, "snellius", 3, t_step=0.4)  # TTL 2 s
+    deadline = time.monotonic() + 30
+    while ledger(darl)["snellius"]["ttl_expiries"] == 0:
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.2)
+    taken = lease(darl, "lumi", 2)  # the lowest pooled run: two of the expired lease's blocks
+    assert taken["blocks"] == cut["blocks"][:2]
+    before = state(darl)
+    with pytest.raises(Refused) as late_beat:
+        darl.client("snellius").heartbeat(cut["lease_id"], "snellius", 2, 0.4)
+    with pytest.raises(Refused) as late_commit:
+        commit(darl, "snellius", cut, delta_file(tmp_path, g0, name="a"))
+    assert (late_beat.value.code, late_commit.value.code) == ("expired", "expired")
+    assert state(darl) == before
 
 
 # ------------------------------------------------------------------ a SIGKILLed coordinator

@@ -214,6 +214,108 @@ def test_an_expired_lease_cannot_be_adopted():
     assert code_of(e) == "expired"
 
 
+def test_an_expired_lease_lives_again_when_none_of_its_blocks_was_granted_since():
+    book = book_with("a", "b", n_blocks=20)
+    first = book.grant("a", 4, 0.0, TTL, 0)
+    lease = book.grant("a", 6, 0.0, TTL, 1)  # positions 4..10, then 10..20 stays pooled
+    book.heartbeat(lease.lease_id, "a", 2, 1.0)
+    book.commit(first.lease_id, "a", 4, 2.0)
+    assert [x.lease_id for x in book.expire(11.0)] == [lease.lease_id]
+    assert book.pool_size == 16
+    got = book.revive(lease.lease_id, "a", 5, 12.0, ttl_s=20.0)
+    assert (got.start, got.end, got.consumed, got.expires_at, got.status) == (
+        4, 10, 5, 32.0, "active",
+    )  # fmt: skip
+    assert book.pool_spans() == [(10, 20)] and book.pool_size == 10
+    assert book.active_sites(1) == ["a"]
+    stats = book.site_stats()["a"]  # granted twice, lost once: the book still balances
+    assert (stats.blocks_granted, stats.blocks_lost, stats.ttl_expiries) == (16, 6, 1)
+    assert book.commit(lease.lease_id, "a", 6, 13.0).committed == 6
+    stats = book.site_stats()["a"]
+    assert stats.blocks_granted == stats.blocks_committed + stats.blocks_lost
+
+
+def test_a_lease_past_its_ttl_before_the_sweep_is_renewed_by_a_revival():
+    book = book_with("a")
+    lease = book.grant("a", 5, 0.0, TTL, 0)
+    with pytest.raises(LeaseError) as e:
+        book.heartbeat(lease.lease_id, "a", 1, TTL)
+    assert code_of(e) == "expired"
+    got = book.revive(lease.lease_id, "a", 1, TTL)
+    assert (got.consumed, got.expires_at) == (1, 2 * TTL)
+    assert book.site_stats()["a"].blocks_granted == 5  # never back in the pool
+
+
+def test_an_expired_lease_returned_in_the_middle_of_the_pool_is_cut_back_out():
+    book = book_with("a", "b", n_blocks=20)
+    lost = book.grant("a", 4, 0.0, 1.0, 0)  # 0..4
+    book.grant("b", 4, 0.0, TTL, 0)  # 4..8
+    book.expire(1.0)
+    book.grant("a", 2, 2.0, TTL, 1)  # 0..2 of the expired lease's positions
+    with pytest.raises(LeaseError) as e:
+        book.revive(lost.lease_id, "a", 0, 3.0)
+    assert code_of(e) == "already_holding"  # a lease of a later round is held
+    book2 = book_with("a", "b", n_blocks=20)
+    lost = book2.grant("a", 4, 0.0, 1.0, 0)
+    book2.grant("b", 4, 0.0, TTL, 0)
+    book2.expire(1.0)
+    assert book2.pool_spans() == [(0, 4), (8, 20)]
+    book2.revive(lost.lease_id, "a", 0, 2.0)
+    assert book2.pool_spans() == [(8, 20)]
+
+
+@pytest.mark.parametrize(
+    "granted_since, code",
+    [("overlapping", "expired"), ("released", "expired"), ("committed", "committed")],
+)
+def test_a_lease_is_not_revived_once_its_blocks_moved_on(granted_since, code):
+    book = book_with("a", "b", n_blocks=10)
+    lease = book.grant("a", 5, 0.0, 1.0, 0)
+    if granted_since == "overlapping":
+        book.expire(1.0)
+        book.grant("b", 3, 2.0, TTL, 0)  # positions 0..3 of the expired lease
+    elif granted_since == "released":
+        book.release(lease.lease_id, "a", 0.5)
+    else:
+        book.commit(lease.lease_id, "a", 5, 0.5)
+    before = book.snapshot()
+    with pytest.raises(LeaseError) as e:
+        book.revive(lease.lease_id, "a", 0, 3.0)
+    assert code_of(e) == code
+    assert book.snapshot() == before
+
+
+def test_a_lease_of_a_closed_epoch_is_not_revived():
+    book = book_with("a", "b", n_blocks=4)
+    lease = book.grant("a", 2, 0.0, 1.0, 0)
+    book.expire(1.0)
+    rest = book.grant("b", 4, 2.0, TTL, 0)
+    book.commit(rest.lease_id, "b", 4, 3.0)
+    book.next_epoch()
+    with pytest.raises(LeaseError) as e:
+        book.revive(lease.lease_id, "a", 0, 4.0)
+    assert code_of(e) == "stale_epoch"
+
+
+@pytest.mark.parametrize(
+    "pool, n, within, ahead, size",
+    [
+        (20, 16, 4, False, 20),  # an epoch's last 4 blocks join the grant before them
+        (21, 16, 4, False, 16),  # 5 left: a lease of their own
+        (16, 16, 4, False, 16),  # nothing left behind
+        (10, 16, 4, False, 16),  # a short run: the grant is cut by the pool, not grown
+        (0, 16, 4, False, 16),  # empty: nothing to grow into
+        (0, 16, 4, True, 16),  # the next epoch's pool is a whole epoch
+    ],
+)
+def test_a_grant_takes_the_crumb_it_would_leave_behind(pool, n, within, ahead, size):
+    book = book_with("a", "b", n_blocks=40)
+    if pool < 40:
+        book.grant("b", 40 - pool, 0.0, TTL, 0)
+    assert book.uncut_size(n, within, ahead) == size
+    assert book.pool_size == pool  # a query: nothing moved
+
+
 @pytest.mark.parametrize("consumed", [1, 6, -1])
 def test_heartbeat_bad_progress(consumed):
     book = book_with("a")

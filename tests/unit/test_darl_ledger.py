@@ -304,6 +304,7 @@ class LeaseModel(RuleBasedStateMachine):
         self.pools = {0: set(range(n_blocks))}  # per open epoch
         self.done: dict[int, set[int]] = {0: set()}  # committed positions per open epoch
         self.leases: dict[int, dict] = {}  # active leases only
+        self.expired: dict[int, dict] = {}  # leases the sweep expired, as they were
         self.last_commit: dict[str, tuple[int, int]] = {}  # site -> (lease_id, consumed)
         self.crashed: set[str] = set()
         self.stats: dict[str, dict[str, int]] = {}
@@ -504,7 +505,7 @@ class LeaseModel(RuleBasedStateMachine):
         want = sorted(i for i, v in self.leases.items() if v["expires_at"] <= self.now)
         assert sorted(x.lease_id for x in dead) == want
         for lease_id in want:
-            lease = self.leases.pop(lease_id)
+            lease = self.expired[lease_id] = self.leases.pop(lease_id)
             self.pools[lease["epoch"]] |= set(range(lease["start"], lease["end"]))
             self.bump(lease["site"], lost=lease["end"] - lease["start"], expiries=1)
 
@@ -578,6 +579,33 @@ class LeaseModel(RuleBasedStateMachine):
         assert n == lease["end"] - lease["start"]
         self.pools[lease["epoch"]] |= set(range(lease["start"], lease["end"]))
         self.bump(lease["site"], lost=n)
+
+    @rule(data=st.data(), step=st.integers(0, 3))
+    @precondition(lambda self: self.expired or self.leases)
+    def revive(self, data, step):
+        """A lease heard from after its TTL lives again at the progress it reports, if its
+        epoch is open and every position of it is still pooled; else nothing changes."""
+        lease_id = data.draw(st.sampled_from(sorted(self.expired) + sorted(self.leases)))
+        lease = self.expired.get(lease_id) or self.leases[lease_id]
+        site, span = lease["site"], set(range(lease["start"], lease["end"]))
+        consumed = min(lease["end"] - lease["start"], lease["consumed"] + step)
+        args = dict(lease_id=lease_id, site=site, consumed=consumed, now=self.now)
+        if lease["epoch"] not in self.pools:
+            return self.refused("stale_epoch", "revive", **args)
+        if lease_id in self.expired:
+            if not self.may_lease(site, lease["round"]):
+                return self.refused("already_holding", "revive", **args)
+            if not span <= self.pools[lease["epoch"]]:
+                return self.refused("expired", "revive", **args)
+        got = self.do("revive", **args)
+        if lease_id in self.expired:
+            self.leases[lease_id] = self.expired.pop(lease_id)
+            self.pools[lease["epoch"]] -= span
+            self.bump(site, granted=len(span))
+        lease["consumed"], lease["expires_at"] = consumed, self.now + lease["ttl"]
+        assert (got.start, got.end, got.consumed, got.expires_at, got.status) == (
+            lease["start"], lease["end"], consumed, lease["expires_at"], "active",
+        )  # fmt: skip
 
     @rule(data=st.data())
     @precondition(lambda self: self.leases and len(self.stats) > 1)
