@@ -510,6 +510,22 @@ def test_an_early_lease_whose_ttl_lapses_returns_only_its_blocks(
     assert regained["blocks"] == ahead["blocks"]
 
 
+def test_a_grant_takes_the_epochs_last_blocks_rather_than_leave_a_crumb(
+    darl: LiveCoordinator, tiny_data: Path
+) -> None:
+    """A grant of 11 of the 14 blocks would leave 3 behind, more than a quarter of 11: a
+    lease of their own. One of 12 would leave 2: it takes all 14, so no site trains a
+    lease of a few steps at the epoch's end and then waits out the merge."""
+    join(darl, "snellius", tiny_data)
+    join(darl, "lumi", tiny_data)
+    first = lease(darl, "snellius", 11)
+    assert first["n_blocks"] == 11
+    darl.client("snellius").release(first["lease_id"], "snellius")
+    whole = lease(darl, "lumi", 12)
+    assert whole["n_blocks"] == 14
+    assert whole["blocks"] == space_of(tiny_data).permutation(0).tolist()
+
+
 def test_a_lease_heard_from_after_its_ttl_lives_again_while_its_blocks_are_pooled(
     darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
 ) -> None:
