@@ -403,14 +403,15 @@ class OverlapRun(Run):
         self.sent: list[dict[str, torch.Tensor] | None] = [None] * sites
 
     def round(self, leases: list[list[int]], steps: int) -> None:
-        """Each site: tau steps from its own weights, fold in the master, the rest; merge."""
+        """Each site: tau steps from its own weights, fold in the master, the rest; merge
+        (the embedding's rows weighted, with ``counts``, by the windows after the fold-in)."""
         t0 = time.perf_counter()
-        deltas, tokens = [], []
+        deltas, tokens, counted = [], [], []
         merged = self.published()
         for i, lease in enumerate(leases):
             trainer = Trainer(self.model, self.optimizers[i], self.inner)
             sent = self.sent[i]
-            state = PhaseState()
+            state, stale = PhaseState(), 0
             if sent is None:  # the first round: nothing in flight, train from the global model
                 load_parameters(self.model, merged)
                 self.adopt_moments(i)
@@ -426,8 +427,9 @@ class OverlapRun(Run):
             ended = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
             deltas.append(delta_of(ended, merged, self.wire.delta_dtype))
             tokens.append(state.tokens)
+            counted.append(lease[stale:])  # the workflow's PhaseState.counted_from
             self.sent[i] = ended
-        self.merge(deltas, tokens, leases)
+        self.merge(deltas, tokens, counted)
         self.global_step += steps
         self.train_s += time.perf_counter() - t0
 

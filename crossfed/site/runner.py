@@ -655,13 +655,14 @@ class SiteRunner:
         if start.sent_from is not None:
             self._restore_sent(start.sent_from)
         self._restore(start.cursor)
+        state = start.cursor.phase if start.cursor else PhaseState()
         if start.cursor is not None and start.cursor.before_fold_in:
             if start.early:  # resumed before the merge: it is folded in when it arrives
                 self._keep_sent(start.cursor)
             else:
                 merged_moments = self._fold_on_resume(start)
+                state.counted_from = state.windows
         self.adopt_moments(merged_moments)  # after the optimiser state is restored
-        state = start.cursor.phase if start.cursor else PhaseState()
         resumed_at = state.windows
         beat: Beat
         early_beat, self._early_beat = self._early_beat, None
@@ -819,9 +820,10 @@ class SiteRunner:
         return pending
 
     def _row_counts(self, start: RoundStart, state: PhaseState) -> dict[str, torch.Tensor]:
-        """How often each token was an input of the windows the phase trained, for the
-        coordinator to weight the embedding's rows by (:mod:`crossfed.rowcounts`; every
-        rank's windows, read again from the store a block at a time)."""
+        """How often each token was an input of the windows the phase trained after its
+        fold-in (all of them in a phase without one), for the coordinator to weight the
+        embedding's rows by (:mod:`crossfed.rowcounts`; every rank's windows, read again
+        from the store a block at a time)."""
         assert self.model is not None
         embedding = parameters_of(self.model).get(rowcounts.EMBEDDING)
         if embedding is None:
@@ -829,7 +831,7 @@ class SiteRunner:
         vocab = embedding.shape[0]
         total = torch.zeros(vocab)
         windows = LeaseWindows.of(self._ranges(start.lease["blocks"]))
-        for begin, stop in windows.spans(0, state.windows):
+        for begin, stop in windows.spans(state.counted_from, state.windows):
             total += rowcounts.token_counts(self.store.windows(begin, stop), vocab)
         return {rowcounts.count_key(rowcounts.EMBEDDING): total}
 
@@ -946,30 +948,32 @@ class _Fold:
         if not self.start.early:
             return
         if self.stale_steps is not None and state.steps >= self.stale_steps:
-            self._wait_and_apply(state.steps)  # the lead is spent: wait for the merge here
+            self._wait_and_apply(state)  # the lead is spent: wait for the merge here
             return
         inflight = self.r._inflight
         ready = inflight is not None and inflight.arrived.is_set() if self.r.ranks.main else None
         if broadcast_object(ready, self.r.ranks):
-            self._apply(state.steps)
+            self._apply(state)
 
     def finish(self, state: PhaseState) -> RoundStart:
         """The phase's start as its delta is measured: after the fold-in (waited for)."""
         if self.start.early:
-            self._wait_and_apply(state.steps)
+            self._wait_and_apply(state)
         return self.start
 
-    def _wait_and_apply(self, steps: int) -> None:
+    def _wait_and_apply(self, state: PhaseState) -> None:
         if crash_armed("site_awaiting_merge"):  # tests only: once its checkpoint is out
             self.r._saved()
             crash_point("site_awaiting_merge", f"{self.r.s.site}:{self.start.lease['round']}")
         if self.r.ranks.main:
             assert self.r._inflight is not None
             self.wait_s += self.r._inflight.wait_arrived()
-        self._apply(steps)
+        self._apply(state)
 
-    def _apply(self, steps: int) -> None:
-        r = self.r
+    def _apply(self, state: PhaseState) -> None:
+        """Fold the merged model in after ``state``'s steps; the row counts start here."""
+        r, steps = self.r, state.steps
+        state.counted_from = state.windows
         assert r.model is not None
         info = None
         if r.ranks.main:

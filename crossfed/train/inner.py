@@ -180,6 +180,9 @@ class PhaseState:
     compute_s: float = 0.0
     checkpoint_s: float = 0.0
     stopped_early: bool = False
+    #: the first window whose tokens the phase's row counts take in: 0, or (overlapped
+    #: rounds) the windows trained before the merged model was folded in
+    counted_from: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -190,6 +193,7 @@ class PhaseState:
             "compute_s": self.compute_s,
             "checkpoint_s": self.checkpoint_s,
             "stopped_early": self.stopped_early,
+            "counted_from": self.counted_from,
         }
 
     @classmethod

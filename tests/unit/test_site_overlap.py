@@ -71,12 +71,23 @@ class HeldBack(SiteRunner):
 
     gates: dict[int, threading.Event]
 
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        #: per round: the window its row counts start at, the windows trained, their sum
+        self.counted: dict[int, tuple[int, int, int]] = {}
+
     def _train(self, round_no, fold, state, beat):  # type: ignore[no-untyped-def]
         gate = self.gates.get(round_no)
         if gate is not None:  # longer than any scenario's own waits, which name what is
             # late; this one only ends a thread the scenario forgot
             assert gate.wait(900), f"{self.s.site} was never let train round {round_no}"
         return super()._train(round_no, fold, state, beat)
+
+    def _row_counts(self, start, state):  # type: ignore[no-untyped-def]
+        counts = super()._row_counts(start, state)
+        total = int(sum(int(c.sum()) for c in counts.values()))
+        self.counted[start.lease["round"]] = (state.counted_from, state.windows, total)
+        return counts
 
 
 Outcomes = dict[str, dict[int, object]]
@@ -180,6 +191,13 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     # burst to spend), so it waited (idle)
     # there, folded the merged model in after step 1 and trained the other three from it
     assert ahead.merge_wait_s > 0 and ahead.fold_step == 1 and ahead.steps == 4
+    # the embedding rows' counts it sent take in the windows of the three steps trained from
+    # the merged model, not the stale one before the fold-in; round 1's, every window
+    per_window = ahead.tokens // ahead.windows
+    counted = runners["snellius"].counted  # type: ignore[attr-defined]
+    assert counted[2] == (ahead.windows // 4, ahead.windows, ahead.windows * 3 // 4 * per_window)
+    first = outcomes["snellius"][1]
+    assert counted[1] == (0, first.windows, first.tokens)  # type: ignore[attr-defined]
     assert ahead.generation == client.round_info(2)["generation"]  # measured against g+1
     # snellius asked its early leases during the last step of the phase before, not after
     # it (rounds 2 and 3; none past the chain's last round, so none went back unused)
