@@ -717,15 +717,16 @@ class LeaseBook:
         self, lease_id: int, site: str, consumed: int, now: float, ttl_s: float | None = None
     ) -> Lease:
         """Its holder is heard from after its lease's TTL ran out (its heartbeats were cut
-        off, not the site): the lease lives again, at ``consumed`` (a heartbeat's or a
-        commit's progress), if none of its blocks was granted since; else it stays expired.
+        off, or a restarted job resumes its checkpoint): the lease lives again if none of
+        its blocks was granted since; else it stays expired. Its progress becomes
+        ``consumed`` (a heartbeat's or a commit's) or what it last reported, the larger.
 
         An expired lease's blocks went back to the pool: they come out again, and count as
         granted again (``blocks_granted``; its expiry stays in ``blocks_lost``). A lease
         still active past its TTL (the expiry sweep had not run yet) is renewed. Refused
         (and nothing changes) for a released or committed lease, a closed epoch, progress
-        behind what the lease last reported, blocks granted since (``expired``), or a
-        lease the site could not be granted now (``already_holding``).
+        past the lease's end, blocks granted since (``expired``), or a lease the site
+        could not be granted now (``already_holding``).
         """
         lease = self._owned(lease_id, site)
         now = _finite("now", now)
@@ -736,11 +737,9 @@ class LeaseBook:
             raise LeaseError("committed", f"lease {lease_id} is already committed")
         if lease.status not in (ACTIVE, EXPIRED):
             raise LeaseError("expired", f"lease {lease_id} is {lease.status}")
-        if consumed < lease.consumed or consumed > lease.n_blocks:
+        if consumed > lease.n_blocks:
             raise LeaseError(
-                "bad_progress",
-                f"lease {lease_id}: consumed {consumed} outside [{lease.consumed}, "
-                f"{lease.n_blocks}]",
+                "bad_progress", f"lease {lease_id}: consumed {consumed} > {lease.n_blocks} blocks"
             )
         if lease.status == EXPIRED:
             self._check_not_holding(site, lease.round_no)
@@ -754,7 +753,7 @@ class LeaseBook:
             self._active[lease.lease_id] = lease
             self._by_site.setdefault(site, []).append(lease)  # a later round than any held
             self._stats[site].blocks_granted += lease.n_blocks
-        return self._renew(lease, consumed, now, ttl_s)
+        return self._renew(lease, max(consumed, lease.consumed), now, ttl_s)
 
     def _get(self, lease_id: int) -> Lease:
         ok = isinstance(lease_id, int | np.integer) and not isinstance(lease_id, bool)

@@ -297,28 +297,28 @@ class Control:
 
     def confirm(self, cursor: Cursor, joined: dict[str, Any]) -> dict | None:
         """The live lease a checkpoint trained, confirmed by a heartbeat; None if it is gone
-        (its blocks return to the pool on its TTL, and the checkpoint is dropped)."""
+        (its blocks return to the pool on its TTL, and the checkpoint is dropped). A lease
+        whose TTL ran out while the job restarted lives again if no other lease took its
+        blocks meanwhile (the coordinator revives it on the heartbeat)."""
         here = site_prefix(self.site, cursor.round)
         live = [
             lease
             for lease in joined.get("active_leases", [])
             if lease["lease_id"] == cursor.lease_id and lease["site"] == self.site
         ]
-        if not live:
-            log.info(
-                "%s lease %d of the checkpoint is no longer live (committed, expired or "
-                "released); leasing anew",
-                here,
-                cursor.lease_id,
-            )
-            return None
-        lease = live[0]
+        consumed = live[0]["consumed"] if live else 0  # 0: the coordinator keeps its own
         try:
-            reply = self.client.heartbeat(lease["lease_id"], self.site, lease["consumed"], None)
+            reply = self.client.heartbeat(cursor.lease_id, self.site, consumed, None)
         except Refused as exc:
-            log.info("%s lease %d is gone (%s)", here, lease["lease_id"], exc.code)
+            log.info(
+                "%s lease %d of the checkpoint is no longer live (%s); leasing anew",
+                here, cursor.lease_id, exc.code,
+            )  # fmt: skip
             return None
         lease = reply["lease"]
+        if not live:
+            log.info("%s lease %d of the checkpoint lived again after its TTL",
+                     here, cursor.lease_id)  # fmt: skip
         if list(lease["blocks"]) != list(cursor.blocks)[: len(lease["blocks"])]:
             raise checkpoint.CheckpointError(
                 f"lease {lease['lease_id']}: blocks differ from the checkpoint's record"

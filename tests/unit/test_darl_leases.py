@@ -230,6 +230,11 @@ def test_an_expired_lease_lives_again_when_none_of_its_blocks_was_granted_since(
     assert book.active_sites(1) == ["a"]
     stats = book.site_stats()["a"]  # granted twice, lost once: the book still balances
     assert (stats.blocks_granted, stats.blocks_lost, stats.ttl_expiries) == (16, 6, 1)
+    again = book.revive(lease.lease_id, "a", 0, 12.5)  # a resumed checkpoint's: lower
+    assert (again.consumed, again.expires_at) == (5, 32.5)  # the larger progress stays
+    with pytest.raises(LeaseError) as e:
+        book.revive(lease.lease_id, "a", 7, 12.6)
+    assert code_of(e) == "bad_progress"  # past the lease's end
     assert book.commit(lease.lease_id, "a", 6, 13.0).committed == 6
     stats = book.site_stats()["a"]
     assert stats.blocks_granted == stats.blocks_committed + stats.blocks_lost

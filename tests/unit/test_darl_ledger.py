@@ -580,16 +580,18 @@ class LeaseModel(RuleBasedStateMachine):
         self.pools[lease["epoch"]] |= set(range(lease["start"], lease["end"]))
         self.bump(lease["site"], lost=n)
 
-    @rule(data=st.data(), step=st.integers(0, 3))
+    @rule(data=st.data(), step=st.integers(-2, 3))
     @precondition(lambda self: self.expired or self.leases)
     def revive(self, data, step):
-        """A lease heard from after its TTL lives again at the progress it reports, if its
-        epoch is open and every position of it is still pooled; else nothing changes."""
+        """A lease heard from after its TTL lives again at the progress it reports (or the
+        one it had, if larger: a restarted job resuming its checkpoint), if its epoch is
+        open and every position of it is still pooled; else nothing changes."""
         lease_id = data.draw(st.sampled_from(sorted(self.expired) + sorted(self.leases)))
         lease = self.expired.get(lease_id) or self.leases[lease_id]
         site, span = lease["site"], set(range(lease["start"], lease["end"]))
-        consumed = min(lease["end"] - lease["start"], lease["consumed"] + step)
-        args = dict(lease_id=lease_id, site=site, consumed=consumed, now=self.now)
+        reported = max(0, min(lease["end"] - lease["start"], lease["consumed"] + step))
+        consumed = max(reported, lease["consumed"])
+        args = dict(lease_id=lease_id, site=site, consumed=reported, now=self.now)
         if lease["epoch"] not in self.pools:
             return self.refused("stale_epoch", "revive", **args)
         if lease_id in self.expired:

@@ -269,6 +269,47 @@ def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_r
     assert row["grants"] == 1 and row["blocks_committed"] == 4 and row["blocks_lost"] == 0
 
 
+def test_a_job_restarted_after_its_leases_ttl_resumes_its_checkpoint_on_the_lease_revived(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A job killed after its final checkpoint comes back only after its lease's TTL ran
+    out (a requeue takes longer than a TTL): no other lease took the lease's blocks, so
+    the restarted job's heartbeat revives the lease and it sends what the checkpoint
+    trained, without training it again; its blocks are committed once."""
+    spec = tiny_spec(
+        tiny_data,
+        sites={name: 2 if name == "lumi" else 1 for name in SITES},
+        leases=LeasePolicy(min_ttl_s=4.0, initial_ttl_s=4.0, probe_share=1.0),
+    )
+    coordinator.client().init_run(spec.to_dict())
+    config = load_run_config(site_config(tmp_path, coordinator, tiny_data))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+    cursor = killed_before_its_delta(settings, coordinator, monkeypatch)
+    deadline = time.monotonic() + 60
+    while ledger_row(coordinator, "lumi")["ttl_expiries"] == 0:
+        assert time.monotonic() < deadline, "the killed job's lease never expired"
+        time.sleep(0.2)
+    assert coordinator.client().status()["active_leases"] == []
+
+    trained = []
+    original = SiteRunner._train
+
+    def spy(self, round_no, start, state, beat):
+        before = state.steps
+        out = original(self, round_no, start, state, beat)
+        trained.append(out.steps - before)
+        return out
+
+    monkeypatch.setattr(SiteRunner, "_train", spy)
+    outcome = SiteRunner(settings, coordinator.client("lumi")).run_round(1)  # the restart
+    assert outcome.status == "accepted", outcome.detail
+    assert outcome.lease_id == cursor["lease_id"] and trained == [0]
+    assert outcome.extra["resumed_at_window"] == 32 and outcome.blocks_committed == 4
+    row = ledger_row(coordinator, "lumi")
+    assert (row["grants"], row["blocks_granted"], row["blocks_committed"]) == (1, 8, 4)
+    assert (row["blocks_lost"], row["ttl_expiries"]) == (4, 1)  # the expiry, counted
+
+
 def test_a_checkpoint_that_trained_past_a_steal_is_dropped_not_sent_again_and_again(
     coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
 ) -> None:
