@@ -213,15 +213,15 @@ def test_a_coordinator_merge_weights_the_embedding_rows_by_the_counts_its_deltas
     assert (merged - other).abs().max() > 1e-3
 
 
-def test_a_new_run_weights_rows_by_shares_a_run_keeps_its_own_and_one_stored_before_shares(
+def test_a_new_run_weights_rows_by_counts_a_run_keeps_its_own_and_one_stored_before_shares(
     tiny_data: Path,
 ) -> None:
     new = resolve_outer(tiny_spec(tiny_data, embedding_rows=None), None)
-    assert new.embedding_rows == rowcounts.SHARES == rowcounts.DEFAULT_MODE
-    counted = resolve_outer(tiny_spec(tiny_data, embedding_rows="counts"), None)
-    kept = resolve_outer(tiny_spec(tiny_data, embedding_rows=None), counted)
-    assert kept.embedding_rows == rowcounts.COUNTS  # a rerun that leaves it unset
-    stored = counted.to_dict()
+    assert new.embedding_rows == rowcounts.COUNTS == rowcounts.DEFAULT_MODE
+    by_shares = resolve_outer(tiny_spec(tiny_data, embedding_rows="shares"), None)
+    kept = resolve_outer(tiny_spec(tiny_data, embedding_rows=None), by_shares)
+    assert kept.embedding_rows == rowcounts.SHARES  # a rerun that leaves it unset
+    stored = new.to_dict()
     del stored["embedding_rows"]  # a run stored before the setting existed
     old = RunSpec.from_dict(stored)
     assert old.embedding_rows == rowcounts.SHARES
