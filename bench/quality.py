@@ -22,9 +22,9 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
   (``--adam-state``: ``shared``, the workflow's default, rescales each site's second moment to
   the token-weighted mean of the sites' row and column factors at each merge; ``keep``,
   reset, or whole moments averaged are levers to measure), the token embedding's rows
-  weighted as every other tensor's, by the token shares (``--embedding-rows``: ``shares``,
-  the workflow's default; ``counts`` weights each row by how often each site saw its token,
-  ``crossfed.rowcounts``);
+  weighted by how often each site saw each token (``--embedding-rows``: ``counts``, the
+  workflow's default, ``crossfed.rowcounts``; the overlapped row counts the windows after
+  its fold-in; ``shares`` weights them as every other tensor, by the token shares);
 * FedAvg: the same with beta=0, eta=1 (the token-weighted mean of the site models; with the
   ``average`` preset it is the DiLoCo row itself, trained once);
 * DiLoCo 1 site: one site of batch 3*B with the same outer step as the DiLoCo row;
@@ -673,9 +673,9 @@ def main() -> None:
         "--embedding-rows",
         choices=rowcounts.MODES,
         default=rowcounts.DEFAULT_MODE,
-        help="how the outer step weights the token embedding's rows: shares (the workflow's "
-        "default: by the token shares, as every other tensor) or counts (by how often each "
-        "site saw each token, crossfed.rowcounts; outer.embedding_rows)",
+        help="how the outer step weights the token embedding's rows: counts (the workflow's "
+        "default: by how often each site saw each token, crossfed.rowcounts; "
+        "outer.embedding_rows) or shares (by the token shares, as every other tensor)",
     )
     parser.add_argument(
         "--combined-denominator", action="store_true",
