@@ -514,15 +514,18 @@ def _apply(
 
 def _row_weighted(w: Tensor, ds: list[Tensor], rows: Tensor) -> Tensor:
     """``Σ_i rows[i, r] Δ_i[r]`` row by row, in fp32, shaped like ``w`` (a matrix, or a
-    tensor of higher order taken as rows by the rest)."""
+    tensor of higher order taken as rows by the rest). Each product is rounded to fp32
+    before it is added (two kernels: ``addcmul_`` fuses them on CPUs with FMA), so a replay
+    of the same formula in another library agrees to the bit."""
     if w.dim() < 1 or tuple(rows.shape) != (len(ds), w.shape[0]):
         raise DeltaError(
             f"row weights of shape {tuple(rows.shape)} do not fit {len(ds)} deltas of a "
             f"tensor of shape {tuple(w.shape)}"
         )
     out = torch.zeros(w.shape[0], w.numel() // w.shape[0])
+    product = torch.empty_like(out)
     for d, r in zip(ds, rows, strict=True):
-        out.addcmul_(d.reshape(out.shape).float(), r[:, None])
+        out.add_(torch.mul(d.reshape(out.shape).float(), r[:, None], out=product))
     return out.reshape(w.shape)
 
 
