@@ -725,8 +725,9 @@ class LeaseBook:
         granted again (``blocks_granted``; its expiry stays in ``blocks_lost``). A lease
         still active past its TTL (the expiry sweep had not run yet) is renewed. Refused
         (and nothing changes) for a released or committed lease, a closed epoch, progress
-        past the lease's end, blocks granted since (``expired``), or a lease the site
-        could not be granted now (``already_holding``).
+        past the lease's end, blocks granted since (``expired``), or a site that holds two
+        leases or another of the lease's round (``already_holding``); one of a later round
+        (an early lease taken while this one's commit was held up) may stay beside it.
         """
         lease = self._owned(lease_id, site)
         now = _finite("now", now)
@@ -742,7 +743,14 @@ class LeaseBook:
                 "bad_progress", f"lease {lease_id}: consumed {consumed} > {lease.n_blocks} blocks"
             )
         if lease.status == EXPIRED:
-            self._check_not_holding(site, lease.round_no)
+            held = self._by_site.get(site, [])
+            if len(held) >= MAX_LEASES_PER_SITE or any(v.round_no == lease.round_no for v in held):
+                ids = ", ".join(str(v.lease_id) for v in held)
+                raise LeaseError(
+                    "already_holding",
+                    f"site {site!r} holds active leases ({ids}): lease {lease_id} of round "
+                    f"{lease.round_no} would be one too many, or a second of its round",
+                )
             positions = self._positions(lease.epoch)
             if not positions.take_span(lease.start, lease.end):
                 raise LeaseError(
@@ -751,7 +759,9 @@ class LeaseBook:
                 )
             lease.status = ACTIVE
             self._active[lease.lease_id] = lease
-            self._by_site.setdefault(site, []).append(lease)  # a later round than any held
+            # beside a later round's (the early lease its site took while the commit was
+            # held up): oldest round first, as the site's leases are kept
+            self._by_site[site] = sorted([*held, lease], key=lambda v: v.round_no)
             self._stats[site].blocks_granted += lease.n_blocks
         return self._renew(lease, max(consumed, lease.consumed), now, ttl_s)
 

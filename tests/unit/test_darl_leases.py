@@ -259,7 +259,7 @@ def test_an_expired_lease_returned_in_the_middle_of_the_pool_is_cut_back_out():
     book.grant("a", 2, 2.0, TTL, 1)  # 0..2 of the expired lease's positions
     with pytest.raises(LeaseError) as e:
         book.revive(lost.lease_id, "a", 0, 3.0)
-    assert code_of(e) == "already_holding"  # a lease of a later round is held
+    assert code_of(e) == "expired"  # its own later lease took blocks of it
     book2 = book_with("a", "b", n_blocks=20)
     lost = book2.grant("a", 4, 0.0, 1.0, 0)
     book2.grant("b", 4, 0.0, TTL, 0)
@@ -267,6 +267,20 @@ def test_an_expired_lease_returned_in_the_middle_of_the_pool_is_cut_back_out():
     assert book2.pool_spans() == [(0, 4), (8, 20)]
     book2.revive(lost.lease_id, "a", 0, 2.0)
     assert book2.pool_spans() == [(8, 20)]
+
+
+def test_a_lease_whose_commit_was_held_up_lives_again_beside_the_sites_early_lease():
+    """Its commit held up past the TTL, the site took its early lease of the next round
+    meanwhile: the late commit revives the lease beside it (two leases, one per round)."""
+    book = book_with("a", "b", n_blocks=20)
+    held_up = book.grant("a", 4, 0.0, 1.0, 1)  # 0..4, its last heartbeat
+    book.grant("b", 4, 0.0, TTL, 1)  # 4..8
+    early = book.grant("a", 3, 0.5, TTL, 2, ahead=True)  # 8..11, asked as the delta went
+    assert [x.lease_id for x in book.expire(1.0)] == [held_up.lease_id]
+    got = book.revive(held_up.lease_id, "a", 4, 2.0)
+    assert (got.status, got.consumed) == ("active", 4)
+    assert book.commit(held_up.lease_id, "a", 4, 2.5).committed == 4
+    assert [x.lease_id for x in book.active_leases() if x.site == "a"] == [early.lease_id]
 
 
 @pytest.mark.parametrize(

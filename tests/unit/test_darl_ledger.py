@@ -595,7 +595,8 @@ class LeaseModel(RuleBasedStateMachine):
         if lease["epoch"] not in self.pools:
             return self.refused("stale_epoch", "revive", **args)
         if lease_id in self.expired:
-            if not self.may_lease(site, lease["round"]):
+            held = self.held(site)  # at most two, one per round, in any order
+            if len(held) >= 2 or any(v["round"] == lease["round"] for _, v in held):
                 return self.refused("already_holding", "revive", **args)
             if not span <= self.pools[lease["epoch"]]:
                 return self.refused("expired", "revive", **args)
