@@ -25,6 +25,8 @@ from crossfed.train import checkpoint
 from crossfed.wire.digests import digest_file
 
 log = logging.getLogger("crossfed.site")
+#: how long an early lease asked before the round before it opened waits for that round
+OPEN_WAIT_S = 20.0
 
 
 class RoundClosed(Exception):
@@ -249,15 +251,24 @@ class Control:
         )  # fmt: skip
         return reply
 
-    def early_lease(self, round_no: int, want: int, rtt: float) -> tuple[dict, int] | None:
+    def early_lease(
+        self, round_no: int, want: int, rtt: float, wait_open: bool = True
+    ) -> tuple[dict, int] | None:
         """A lease of the round after the open one (overlapped rounds), asked once, and the
         global step the coordinator forecasts that round to start at; None when it has no
-        lease to give now. A live one a previous job of this site held is taken over."""
+        lease to give now. A live one a previous job of this site held is taken over.
+
+        Asked while the round before ``round_no`` has not opened yet (the site trained that
+        round's phase early, and the merge before it is still running: ``round_not_open``),
+        it waits for that round to open, up to ``OPEN_WAIT_S``, and asks once more: else the
+        site would idle through that whole round's merge instead of a merge's seconds."""
         try:
             reply = self.client.lease(self.site, round_no, want, None, rtt)
         except Refused as exc:
             if exc.status >= 500 or exc.status in (401, 403):
                 raise
+            if exc.code == "round_not_open" and wait_open and self._opened(round_no - 1):
+                return self.early_lease(round_no, want, rtt, wait_open=False)
             taken = self.take_over(round_no, rtt) if exc.code == "already_holding" else None
             if taken is None:
                 log.info("%s no early lease: %s", site_prefix(self.site, round_no), exc.code)
@@ -266,6 +277,18 @@ class Control:
         if reply["lease"] is None:
             return None
         return reply["lease"], int(reply["global_step"])
+
+    def _opened(self, round_no: int) -> bool:
+        """Whether ``round_no`` opened since it was found not open: a long poll of the status
+        up to ``OPEN_WAIT_S``. False as well when it was open already (the refusal was of
+        another round) or a later one is (nothing to wait for)."""
+        here = site_prefix(self.site, round_no + 1)
+        log.info("%s round %d has not opened yet: waiting for it to ask again", here, round_no)
+        try:
+            status = self.client.status(after_round=round_no - 1, wait_s=OPEN_WAIT_S)
+        except Refused:
+            return False
+        return int(status["round"]) == round_no
 
     def lease(self, round_no: int, want: int, rtt: float) -> dict | None:
         """A lease of up to ``want`` blocks; None when no data turned up in time.

@@ -27,6 +27,7 @@ from crossfed.site.job import site_settings
 from crossfed.site.loop import ChainSettings, run_chain
 from crossfed.train import overlap
 from tests.conftest import REPO, SITES, LiveCoordinator, tiny_spec, write_yaml
+from tests.unit.test_coordinator_http import delta_file, global_model
 
 ROUNDS = 3
 
@@ -284,3 +285,38 @@ def test_an_early_lease_asked_but_not_trained_goes_back_to_the_pool_at_once(
     assert not lease_of(coordinator, "lumi", 2)
     row = {r["site"]: r for r in coordinator.client().ledger()}["lumi"]
     assert row["blocks_lost"] == taken[0]["n_blocks"]  # released, not left to its TTL
+
+
+def test_an_early_lease_asked_before_the_round_before_it_opened_is_asked_again_once_it_has(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """A site that trained round 2's phase early asks round 3's lease during its last step
+    while round 1 is still being merged: refused (``round_not_open``). It waits for round 2
+    to open (the merge's seconds) and asks again, rather than idling through all of round
+    2 until its merge."""
+    spec = tiny_spec(tiny_data, leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0))
+    coordinator.client().init_run(spec.to_dict())
+    config = overlap_config(tmp_path, coordinator, tiny_data)
+    sites = load_sites(config)
+    runner = SiteRunner(site_settings(config, "lumi", sites["lumi"]), coordinator.client("lumi"))
+    assert runner.control is not None
+    runner.control.join(1)
+    ask = EarlyAsk(runner.control, 3, 2, 1.0, 1)  # round 3 while round 1 is open
+    time.sleep(1.0)
+    assert not ask._done.is_set()  # waiting for round 2, not given up
+    g0 = global_model(coordinator, 0, tmp_path)
+    for i, site in enumerate(SITES):  # round 1 closes with every site's delta
+        client = coordinator.client(site)
+        if site != "lumi":
+            client.register(site, runner.space.digest(), 1, 1.0)
+        held = client.lease(site, 1, 1, 4.0, 1.0)["lease"]
+        client.submit_delta(
+            1, delta_file(tmp_path, g0, seed=i, name=site), inline=False, site=site,
+            lease_id=held["lease_id"], generation=0, tokens=200, steps=1,
+            consumed=held["n_blocks"],
+        )  # fmt: skip
+    taken = ask.take()
+    assert coordinator.client().status()["round"] == 2
+    assert taken is not None and taken[0]["round"] == 3  # asked again once round 2 opened
+    assert lease_of(coordinator, "lumi", 3)
+    ask.drop()
