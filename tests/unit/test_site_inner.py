@@ -241,6 +241,22 @@ def killed_before_its_delta(
     return cursor
 
 
+def steps_trained(monkeypatch) -> list[int]:
+    """The steps each phase of a ``SiteRunner`` trains from here on, beyond its cursor's
+    (the real ``_train``, observed)."""
+    trained: list[int] = []
+    original = SiteRunner._train
+
+    def spy(self, round_no, start, state, beat):
+        before = state.steps  # the cursor's steps (the phase mutates this state)
+        out = original(self, round_no, start, state, beat)
+        trained.append(out.steps - before)
+        return out
+
+    monkeypatch.setattr(SiteRunner, "_train", spy)
+    return trained
+
+
 def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_retraining(
     coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path, monkeypatch
 ) -> None:
@@ -251,16 +267,7 @@ def test_a_job_killed_between_its_final_checkpoint_and_its_delta_sends_without_r
     cursor = killed_before_its_delta(settings, coordinator, monkeypatch)
     assert cursor is not None and cursor["status"] == "done" and cursor["windows"] == 32
 
-    trained = []
-    original = SiteRunner._train
-
-    def spy(self, round_no, start, state, beat):
-        before = state.steps  # the cursor's steps (the phase mutates this state)
-        out = original(self, round_no, start, state, beat)
-        trained.append(out.steps - before)
-        return out
-
-    monkeypatch.setattr(SiteRunner, "_train", spy)
+    trained = steps_trained(monkeypatch)
     outcome = SiteRunner(settings, coordinator.client("lumi")).run_round(1)  # the restart
     assert outcome.status == "accepted", outcome.detail
     assert trained == [0] and outcome.extra["resumed_at_window"] == 32
@@ -291,16 +298,7 @@ def test_a_job_restarted_after_its_leases_ttl_resumes_its_checkpoint_on_the_leas
         time.sleep(0.2)
     assert coordinator.client().status()["active_leases"] == []
 
-    trained = []
-    original = SiteRunner._train
-
-    def spy(self, round_no, start, state, beat):
-        before = state.steps
-        out = original(self, round_no, start, state, beat)
-        trained.append(out.steps - before)
-        return out
-
-    monkeypatch.setattr(SiteRunner, "_train", spy)
+    trained = steps_trained(monkeypatch)
     outcome = SiteRunner(settings, coordinator.client("lumi")).run_round(1)  # the restart
     assert outcome.status == "accepted", outcome.detail
     assert outcome.lease_id == cursor["lease_id"] and trained == [0]

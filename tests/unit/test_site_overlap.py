@@ -265,9 +265,8 @@ def test_a_site_that_waits_for_the_merge_round_after_round_is_told_what_hides_it
     assert "overlap.max_stale" in said[0] and "inner.steps" in said[0]
 
 
-def test_an_early_lease_asked_but_not_trained_goes_back_to_the_pool_at_once(
-    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
-) -> None:
+def joined_lumi(coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path) -> SiteRunner:
+    """A run with 60 s leases, and lumi's site runner joined to its round 1."""
     spec = tiny_spec(tiny_data, leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0))
     coordinator.client().init_run(spec.to_dict())
     config = overlap_config(tmp_path, coordinator, tiny_data)
@@ -275,6 +274,14 @@ def test_an_early_lease_asked_but_not_trained_goes_back_to_the_pool_at_once(
     runner = SiteRunner(site_settings(config, "lumi", sites["lumi"]), coordinator.client("lumi"))
     assert runner.control is not None
     runner.control.join(1)
+    return runner
+
+
+def test_an_early_lease_asked_but_not_trained_goes_back_to_the_pool_at_once(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    runner = joined_lumi(coordinator, tiny_data, tmp_path)
+    assert runner.control is not None
     ask = EarlyAsk(runner.control, 2, 2, 1.0, 1)  # round 2 while round 1 is open: early
     taken = ask.take()
     assert taken is not None and taken[0]["n_blocks"] >= 1
@@ -294,13 +301,8 @@ def test_an_early_lease_asked_before_the_round_before_it_opened_is_asked_again_o
     while round 1 is still being merged: refused (``round_not_open``). It waits for round 2
     to open (the merge's seconds) and asks again, rather than idling through all of round
     2 until its merge."""
-    spec = tiny_spec(tiny_data, leases=LeasePolicy(min_ttl_s=60.0, initial_ttl_s=60.0))
-    coordinator.client().init_run(spec.to_dict())
-    config = overlap_config(tmp_path, coordinator, tiny_data)
-    sites = load_sites(config)
-    runner = SiteRunner(site_settings(config, "lumi", sites["lumi"]), coordinator.client("lumi"))
+    runner = joined_lumi(coordinator, tiny_data, tmp_path)
     assert runner.control is not None
-    runner.control.join(1)
     ask = EarlyAsk(runner.control, 3, 2, 1.0, 1)  # round 3 while round 1 is open
     time.sleep(1.0)
     assert not ask._done.is_set()  # waiting for round 2, not given up
