@@ -373,6 +373,14 @@ class LedgerReplay:
             lease.status = status
             del self.active[lease.lease_id]
 
+    @staticmethod
+    def _renew(lease: Lease, args: dict[str, Any], consumed: int) -> None:
+        """The lease at ``consumed``, its TTL (``args``' own, if it carries one) from now."""
+        if args.get("ttl_s") is not None:
+            lease.ttl_s = float(args["ttl_s"])
+        lease.consumed = consumed
+        lease.expires_at = float(args["now"]) + lease.ttl_s
+
     # ---- events
     def _on_register(self, seq: int, args: dict[str, Any]) -> None:
         self.registered.add(args["site"])
@@ -425,10 +433,7 @@ class LedgerReplay:
             raise Refused(
                 f"consumed {consumed} outside [{lease.consumed}, {lease.end - lease.start}]"
             )
-        if args.get("ttl_s") is not None:
-            lease.ttl_s = float(args["ttl_s"])
-        lease.consumed = consumed
-        lease.expires_at = now + lease.ttl_s
+        self._renew(lease, args, consumed)
 
     def _on_adopt(self, seq: int, args: dict[str, Any]) -> None:
         """A restarted site takes over its live lease: its progress starts again from 0."""
@@ -439,10 +444,7 @@ class LedgerReplay:
             raise Refused(
                 f"adopted at consumed {args['consumed']}, the lease is at {lease.consumed}"
             )
-        if args.get("ttl_s") is not None:
-            lease.ttl_s = float(args["ttl_s"])
-        lease.consumed = 0
-        lease.expires_at = now + lease.ttl_s
+        self._renew(lease, args, 0)
 
     def _on_revive(self, seq: int, args: dict[str, Any]) -> None:
         """A lease heard from after its TTL lives again, if its positions are all pooled;
@@ -464,10 +466,7 @@ class LedgerReplay:
             self.active[lease.lease_id] = lease
         elif lease.status != "active":
             raise Refused(f"lease {lease.lease_id} is {lease.status}")
-        if args.get("ttl_s") is not None:
-            lease.ttl_s = float(args["ttl_s"])
-        lease.consumed = max(consumed, lease.consumed)
-        lease.expires_at = float(args["now"]) + lease.ttl_s
+        self._renew(lease, args, max(consumed, lease.consumed))
 
     def _on_commit(self, seq: int, args: dict[str, Any]) -> None:
         lease = self._owned(int(args["lease_id"]), args["site"])

@@ -279,9 +279,9 @@ class Control:
         return reply["lease"], int(reply["global_step"])
 
     def _opened(self, round_no: int) -> bool:
-        """Whether ``round_no`` opened since it was found not open: a long poll of the status
-        up to ``OPEN_WAIT_S``. False as well when it was open already (the refusal was of
-        another round) or a later one is (nothing to wait for)."""
+        """Whether ``round_no`` is the open round once it has opened: a long poll of the
+        status up to ``OPEN_WAIT_S``. False when the wait ran out, the status could not be
+        read, or a later round is open already (nothing left to ask early for)."""
         here = site_prefix(self.site, round_no + 1)
         log.info("%s round %d has not opened yet: waiting for it to ask again", here, round_no)
         try:
