@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crossfed.cmdline import add_config, add_threads, examples, group, run_config, write_json
 from crossfed.config import ConfigError, RunConfig, load_sites
 from crossfed.progress import site_prefix
+
+if TYPE_CHECKING:
+    from crossfed.site.keepalive import LeaseKeeper
 
 
 def _closed_round(config: RunConfig, site: str, round_no: int) -> dict[str, Any] | None:
@@ -50,6 +53,9 @@ def cmd_site_run(args: argparse.Namespace) -> int:
             write_json(args.out, missed)
             print(f"{site_prefix(args.site, args.round)} missed: {missed['detail']}")
             return 0
+    from crossfed.site.keepalive import keep_site_leases
+
+    keeper = keep_site_leases(config, args.site)  # a killed job's leases beat on meanwhile
     import torch
 
     from crossfed.client.reach import client_for
@@ -64,7 +70,7 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     if args.round is None:
-        return _site_chain(args, config)
+        return _site_chain(args, config, keeper)
     entry, settings = site_job(config, args.site, args.plan)
     if entry.get("submit") is False:
         record = {"site": args.site, "round": args.round, "status": "not_planned"}
@@ -73,7 +79,9 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     ranks = init_ranks(settings.device)
     client = client_for(config, args.site) if ranks.main else None
     try:
-        outcome = SiteRunner(settings, client, ranks).run_round(args.round)
+        runner = SiteRunner(settings, client, ranks)
+        runner.keeper = keeper
+        outcome = runner.run_round(args.round)
     finally:
         close_ranks(ranks)
     if not ranks.main:
@@ -92,7 +100,7 @@ def cmd_site_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _site_chain(args: argparse.Namespace, config: RunConfig) -> int:
+def _site_chain(args: argparse.Namespace, config: RunConfig, keeper: LeaseKeeper | None) -> int:
     """Rounds back to back in one job (crossfed.site.loop); writes the chain outcome."""
     from crossfed.site.job import chain_job
     from crossfed.site.loop import ChainError
@@ -108,6 +116,7 @@ def _site_chain(args: argparse.Namespace, config: RunConfig) -> int:
             plan_path=args.plan,
             until_walltime=args.until_walltime,
             round_out=template,
+            keeper=keeper,
         )
     except ChainError as exc:
         raise ConfigError(str(exc)) from exc

@@ -32,6 +32,7 @@ from crossfed.site.slurm import slurm_allocation
 
 if TYPE_CHECKING:  # the runner imports torchtitan: only a training job needs it
     from crossfed.config import ConnectivitySection, RunConfig, SiteConfig
+    from crossfed.site.keepalive import LeaseKeeper
     from crossfed.site.records import SiteSettings
 
 
@@ -85,8 +86,8 @@ def relaunch(config: RunConfig, site: str, argv: list[str]) -> int | None:
     """Under ``launcher: torchrun``, outside torchrun: run this job again as the site's ranks
     (one torchrun per node of the allocation) and return their exit code; else None."""
     from crossfed.config import load_sites
+    from crossfed.launchenv import under_torchrun
     from crossfed.site.slurm import relaunch_ranks
-    from crossfed.train.distributed import under_torchrun
 
     if config.launcher.kind != "torchrun" or under_torchrun():
         return None
@@ -102,6 +103,7 @@ def chain_job(
     until_walltime: str,
     round_out: str,
     log: Callable[[str], None] = print,
+    keeper: LeaseKeeper | None = None,
 ) -> ChainOutcome | None:
     """Run one chain job of ``site`` (the CLI's ``site run --through-round``).
 
@@ -167,6 +169,7 @@ def chain_job(
         )
     try:
         runner = SiteRunner(settings, client, ranks)
+        runner.keeper = keeper
         out = run_chain(
             site,
             runner,

@@ -60,6 +60,7 @@ from crossfed.fileio import write_atomic
 from crossfed.progress import CONSOLE, site_prefix, step_line
 from crossfed.site.control import Control, EarlyAsk, FollowerBeat, Heartbeat, RoundClosed
 from crossfed.site.inflight import InFlight
+from crossfed.site.keepalive import LeaseKeeper
 from crossfed.site.lock import hold_site_folder
 from crossfed.site.records import (
     Cursor,
@@ -173,6 +174,9 @@ class SiteRunner:
         #: from (the end of the killed job's phase, whose round is in flight again) or goes
         #: on from (the killed job's early phase), ``_go_ahead``
         self._restart_base: Cursor | None = None
+        #: rank 0: what kept the site's leases beating while this job started
+        #: (crossfed.site.keepalive), stopped before the runner's first request
+        self.keeper: LeaseKeeper | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -222,6 +226,7 @@ class SiteRunner:
     def finish(self) -> list[RoundOutcome]:
         """The job ends: wait for the send in flight (not for its merge); every outcome left.
         An early lease asked for a phase that will not run goes back to the pool."""
+        self.stop_keeper()
         if self._ask is not None:
             self._ask.drop()
             self._ask = None
@@ -237,6 +242,12 @@ class SiteRunner:
         trains next without asking the coordinator's status (a round trip a phase change)."""
         ask = self._ask
         return ask.round_no if ask is not None and ask.granted_lease() else None
+
+    def stop_keeper(self) -> None:
+        """The runner takes the site's leases on from here (or lets them go)."""
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.stop()
 
     def _send_answered(self, outcome: RoundOutcome) -> None:
         """A background send was answered (the sending thread calls this)."""
@@ -257,6 +268,7 @@ class SiteRunner:
     def _prepare_round(self, round_no: int) -> RoundOutcome | RoundStart:
         """Rank 0: an early lease while the previous round is in flight, else the round's
         ordinary start (once the previous round's merged model is here)."""
+        self.stop_keeper()
         inflight = self._inflight
         ask, self._ask = self._ask, None
         base, self._restart_base = self._restart_base, None
@@ -404,7 +416,7 @@ class SiteRunner:
             try:
                 lease = control.lease(round_no, want, rtt)
             except RoundClosed as exc:
-                detail = f"round {round_no} closed before this job could lease"
+                detail = f"round {round_no} closed before this job could lease ({exc.code})"
                 missed = RoundOutcome(
                     self.s.site, round_no, "missed", generation=generation, rtt_ms=rtt,
                     detail=detail,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from crossfed.launchenv import under_torchrun
 from crossfed.train.model import matching_parameters, parameters_of
 
 if TYPE_CHECKING:
@@ -66,13 +67,6 @@ class ParallelConfig:
                 f"activation_checkpointing must be one of {AC_MODES}, "
                 f"got {self.activation_checkpointing!r}"
             )
-
-
-def under_torchrun() -> bool:
-    """True inside a process started by torchrun (it sets the rendezvous variables)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-    )
 
 
 #: a gloo group over all ranks for small control messages (the per-step window limit, round

@@ -268,6 +268,8 @@ def test_killed_mid_upload_of_round_r_resends_it_once(crash: Crash) -> None:
     assert first["extra"]["resumed"] is True and first["extra"]["already"] is False
     assert first["lease_id"] == record.lease_id
     said = (crash.tmp / "second.log").read_text(errors="replace")
+    # from its first second the restarted job kept the lease of its unsent delta beating
+    assert re.search(rf"kept lease\(s\) ([0-9]+, )*{record.lease_id}\b", said), said[-3000:]
     assert "folded in generation 1 at step" in said
     assert crash.round_record(2)["generation"] == 1  # measured against round 1's merge
     # from the weights round 1's delta was made from: its end-of-phase checkpoint
