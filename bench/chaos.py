@@ -63,7 +63,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -77,8 +77,10 @@ from crossfed.coordinator.embedded import (  # noqa: E402
     free_port,
     wait_until_serving,
 )
-from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
 from crossfed.train.schedule import LRSchedule  # noqa: E402
+
+if TYPE_CHECKING:  # torch: a site worker imports it after its keeper started
+    from crossfed.coordinator.runspec import RunSpec
 
 SITES = {"snellius": 1.0, "lumi": 1.3, "frontier": 1.6}  # site -> slowdown
 HOST = "127.0.0.1"
@@ -302,6 +304,7 @@ def prepare_data(root: Path, config: ChaosConfig) -> Path:
 
 
 def run_spec(data: Path, config: ChaosConfig) -> RunSpec:
+    from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
     from crossfed.data.windows import read_meta
 
     meta = read_meta(data)
@@ -368,6 +371,19 @@ class JournalClient(CoordinatorClient):
 
 def worker(args: argparse.Namespace) -> int:
     """The ``worker`` subcommand: one site's process."""
+    from crossfed.site.keepalive import REQUEST_S, keep_leases
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    work = Path(args.work)
+    token = (work / "tokens" / args.site).read_text().strip()
+    # as a site job does: a killed predecessor's leases beat on while this one imports torch
+    keeper = keep_leases(
+        work / "sites" / args.site,
+        CoordinatorClient(args.url, token, timeout_s=REQUEST_S, retry_budget_s=REQUEST_S),
+        args.site,
+    )
     import torch
 
     from crossfed.site import SiteRunner, SiteSettings
@@ -376,13 +392,8 @@ def worker(args: argparse.Namespace) -> int:
     from crossfed.train.inner import InnerConfig
     from crossfed.train.overlap import OverlapConfig
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     torch.set_num_threads(1)
     config = ChaosConfig(**json.loads(args.config))
-    work = Path(args.work)
-    token = (work / "tokens" / args.site).read_text().strip()
     client = JournalClient(
         args.url, token, retry_budget_s=240.0, journal=work / f"journal-{args.site}.jsonl"
     )
@@ -403,6 +414,7 @@ def worker(args: argparse.Namespace) -> int:
         overlap=OverlapConfig(enabled=config.overlap),
     )
     runner = SiteRunner(settings, client)
+    runner.keeper = keeper
     runner.chained = True  # this loop trains the next round while a delta is sent
     # the rounds this process's part is in (accepted, or being sent in the background) and,
     # of those, the ones being sent: as in crossfed.site.loop.run_chain, a site with overlap
@@ -595,6 +607,7 @@ def count_5xx(log: Path) -> int:
 # ---------------------------------------------------------------------------- the audit
 def audit(state: Path, root: Path) -> dict[str, Any]:
     """Exactly-once figures from the coordinator's database and the sites' journals."""
+    from crossfed.coordinator.runspec import RunSpec
     from crossfed.darl.blockspace import BlockSpace
     from crossfed.darl.leases import LeaseBook
     from crossfed.darl.ledger import COMMITTED_TABLE, LedgerStore

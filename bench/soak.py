@@ -430,9 +430,14 @@ class Soak:
     faults: list[tuple[str, str | None, float]] = field(default_factory=list)
     restarts: dict[str, float] = field(default_factory=dict)  # site -> when to start it
     arming: dict[str, tuple[str, float]] = field(default_factory=dict)  # site -> kind, until
+    kills: dict[str, tuple[str, float]] = field(default_factory=dict)  # site -> kind, when
     crashes: int = 0
     armed_point: str | None = None
     marker: int = 0
+    #: the sites' kills and restarts (``keep_sites``, a thread of their own) and the
+    #: driver's faults share the process table: a site due back comes back on time while
+    #: the driver restarts the coordinator or fills its disk
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def state(self) -> Path:
@@ -485,13 +490,14 @@ class Soak:
         self.restarts[site] = time.monotonic() + rng.uniform(*self.config.restart_s)
 
     def site_fault(self, site: str, kind: str, rng: random.Random) -> None:
-        if site in self.restarts or site in self.arming:
-            return  # down already, or a kill is armed
-        if kind == "mid_phase":
-            self.kill_site(site, kind, rng)
-            return
-        self.proxies[site].arm(kind)
-        self.arming[site] = (kind, time.monotonic() + 45.0)
+        with self.lock:
+            if site in self.restarts or site in self.arming or site in self.kills:
+                return  # down already, or a kill is armed
+            if kind == "mid_phase":
+                self.kill_site(site, kind, rng)
+                return
+            self.proxies[site].arm(kind)
+            self.arming[site] = (kind, time.monotonic() + 45.0)
 
     def coordinator_fault(self, kind: str, rng: random.Random) -> None:
         assert self.coordinator is not None
@@ -510,8 +516,14 @@ class Soak:
         filler.unlink()
 
     # -- upkeep
-    def upkeep(self, triggers: queue.Queue, rng: random.Random) -> None:
-        """Kill what the proxies triggered, restart what is due, revive the dead."""
+    def keep_sites(self, triggers: queue.Queue, rng: random.Random, stop: threading.Event) -> None:
+        """The sites' thread: kill what the proxies triggered, restart what is due, revive
+        the dead, every few tens of milliseconds until ``stop``."""
+        while not stop.wait(0.05):
+            with self.lock:
+                self.upkeep_sites(triggers, rng)
+
+    def upkeep_sites(self, triggers: queue.Queue, rng: random.Random) -> None:
         now = time.monotonic()
         while True:
             try:
@@ -519,9 +531,11 @@ class Soak:
             except queue.Empty:
                 break
             self.arming.pop(site, None)
-            if delay_s:
-                time.sleep(delay_s)
-            self.kill_site(site, kind, rng)
+            self.kills[site] = (kind, now + delay_s)
+        for site, (kind, when) in list(self.kills.items()):
+            if now >= when:
+                del self.kills[site]
+                self.kill_site(site, kind, rng)
         for site, (_kind, until) in list(self.arming.items()):
             if now > until:  # the request it waits for did not come: kill it anyway
                 self.proxies[site].arm(None)
@@ -535,6 +549,9 @@ class Soak:
             if site not in self.restarts and proc.poll() not in (None, 0):
                 self.crashes += 1  # died on its own: a bug, not a fault
                 self.start_worker(site)
+
+    def upkeep_coordinator(self) -> None:
+        """Start the coordinator again if it killed itself at its armed crash point."""
         assert self.coordinator is not None
         if self.coordinator.poll() is not None:  # by its own hand, at the armed point
             if self.armed_point is not None:
@@ -583,6 +600,7 @@ def run_soak(root: Path, config: SoakConfig, data: Path) -> dict[str, Any]:
     plan = fault_plan(config, rng)
     model = root / f"global-{config.rounds:06d}.safetensors"
     finished = False
+    stop, sites_thread = threading.Event(), None
     try:
         soak.start_coordinator()
         for proxy in proxies.values():
@@ -594,11 +612,16 @@ def run_soak(root: Path, config: SoakConfig, data: Path) -> dict[str, Any]:
         began_at = time.time()
         for site in SITES:
             soak.start_worker(site)
+        sites_thread = threading.Thread(
+            target=soak.keep_sites, args=(triggers, random.Random(config.seed + 2), stop),
+            name="soak-sites", daemon=True,
+        )  # fmt: skip
+        sites_thread.start()
         generation = 0
         while True:
             if time.monotonic() - started > config.timeout_s:
                 raise RuntimeError(f"soak timed out at generation {generation}")
-            soak.upkeep(triggers, rng)
+            soak.upkeep_coordinator()
             status = soak.status()
             if status is not None:
                 generation = status["generation"]
@@ -622,6 +645,9 @@ def run_soak(root: Path, config: SoakConfig, data: Path) -> dict[str, Any]:
         admin.close()
         finished = True
     finally:
+        stop.set()
+        if sites_thread is not None:
+            sites_thread.join()
         for proc in soak.workers.values():
             kill(proc)
         if soak.coordinator is not None:
