@@ -416,16 +416,15 @@ def worker(args: argparse.Namespace) -> int:
     runner = SiteRunner(settings, client)
     runner.keeper = keeper
     runner.chained = True  # this loop trains the next round while a delta is sent
-    # the rounds this process's part is in (accepted, or being sent in the background) and,
-    # of those, the ones being sent: as in crossfed.site.loop.run_chain, a site with overlap
-    # trains the next round at once while the open round's delta is in flight, never further
+    # the rounds this process's part is in (accepted, or being sent in the background): as
+    # in crossfed.site.loop.run_chain, a site with overlap trains the next round at once
+    # while the open round's delta is in flight (the runner's, until that round's merged
+    # model is here: a resend the coordinator had already is answered at once), never further
     chain = ChainSettings(through_round=config.rounds)
     decisions = ChainOutcome(args.site, "walltime")
     done: set[int] = set()
-    sending: set[int] = set()
 
     def record(outcome: RoundOutcome) -> None:
-        sending.discard(outcome.round)
         client.note(event="outcome", **{k: v for k, v in asdict(outcome).items() if k != "extra"})
 
     while True:
@@ -439,7 +438,7 @@ def worker(args: argparse.Namespace) -> int:
         if status["generation"] >= config.rounds:
             break
         current = int(status["round"])
-        ahead = runner.overlapped and current in sending
+        ahead = runner.overlapped and runner.in_flight
         action, round_no = next_action(current, done, chain, decisions, (), time.time(), ahead)
         if action != "train":  # wait for the others and the merge
             time.sleep(0.5)
@@ -448,12 +447,10 @@ def worker(args: argparse.Namespace) -> int:
             outcome = runner.run_round(round_no)
         except (Unreachable, Refused) as exc:  # a real job would fail and be resubmitted
             client.note(event="error", site=args.site, round=round_no, error=str(exc))
-            sending.clear()  # whatever was in flight: the next round waits for its merge
             time.sleep(1.0)
             continue
         if outcome.status == "sending":
             done.add(round_no)
-            sending.add(round_no)
             continue
         record(outcome)
         if outcome.status in ("accepted", "missed"):
