@@ -36,7 +36,7 @@ accepted delta) judge the run. The last line printed is one JSON object:
     accepted delta, any site's for coordinator and disk faults)
 
 Run: ``python bench/soak.py`` (60 rounds of 100 inner steps, phases of about 10 s, about
-1,750 faults; about 31 minutes with the fault-free run), ``--preset long-phases`` (24 rounds
+2,000 faults; about 32 minutes with the fault-free run), ``--preset long-phases`` (24 rounds
 of 300 steps, phases of about 30 s: the same faults per round, a restart's fixed seconds
 weighing a third as much against a phase) or ``--preset ci`` (14 rounds of 8 steps, 100-200
 faults in about 3 minutes, no fault-free run: the test suite's).
