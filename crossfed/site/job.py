@@ -154,6 +154,8 @@ def chain_job(
         if alloc is not None:
             outcome.extra["slurm_job_id"] = alloc.job_id
         path = Path(round_out.format(round=outcome.round, site=site))
+        if outcome.extra.get("already") and path.exists():
+            return  # the job that sent the delta recorded the round, with what it trained
         write_atomic(path, json.dumps(asdict(outcome), indent=2, default=str) + "\n")
         log(
             f"{site_prefix(site, outcome.round)} {outcome.status} in {seconds:.1f}s: "

@@ -422,7 +422,12 @@ class SiteRunner:
                     detail=detail,
                 )  # fmt: skip
                 if exc.code == "already_contributed":  # a killed job's delta of it is in
-                    ahead = self._go_ahead(None, missed, joined, rtt)
+                    held = RoundOutcome(
+                        self.s.site, round_no, "accepted", generation=generation, rtt_ms=rtt,
+                        detail="its delta, a previous job's, was accepted before this job",
+                    )  # fmt: skip
+                    held.extra["already"] = True  # as a resend the coordinator held already
+                    ahead = self._go_ahead(None, held, joined, rtt)
                     if ahead is not None:
                         return ahead
                 return missed

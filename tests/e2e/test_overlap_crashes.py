@@ -348,6 +348,10 @@ def test_killed_mid_phase_of_an_early_lease_the_restarted_job_takes_it_over(cras
     check_taken_over(crash, early)
     said = (crash.tmp / "second.log").read_text(errors="replace")
     assert "folded in generation 1 at step" in said
+    # round 1's record says what was trained and accepted: the killed job's own, or the
+    # resend's; a restarted job that found the delta in does not overwrite it ("missed")
+    first = crash.round_record(1)
+    assert first["status"] == "accepted" and first["compute_s"] > 0, first
 
 
 @pytest.mark.parametrize(
