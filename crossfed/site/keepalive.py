@@ -13,7 +13,7 @@ until its runner decides what each lease becomes (``SiteRunner`` stops the keepe
 its first request: adopted, confirmed from a checkpoint, resent, or let go). Never after: a
 beat landing after an adoption would report the dead job's progress on a lease the new job
 trains from its first block. A beat carries no step time (the job has taken none), so
-the lease's TTL becomes the run's ``leases.initial_ttl_s``, as a new job's first lease's is:
+the lease's TTL becomes the run's ``darl.initial_ttl_s``, as a new job's first lease's is:
 the runner takes it over within that, or it returns to the pool then. Light on purpose: no
 torch, so it starts before the imports.
 """
