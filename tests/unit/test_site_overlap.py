@@ -307,10 +307,11 @@ def test_an_early_lease_asked_before_the_round_before_it_opened_is_asked_again_o
     time.sleep(1.0)
     assert not ask._done.is_set()  # waiting for round 2, not given up
     g0 = global_model(coordinator, 0, tmp_path)
+    for site in SITES:  # every site joins before any delivers: round 1 waits for them all
+        if site != "lumi":
+            coordinator.client(site).register(site, runner.space.digest(), 1, 1.0)
     for i, site in enumerate(SITES):  # round 1 closes with every site's delta
         client = coordinator.client(site)
-        if site != "lumi":
-            client.register(site, runner.space.digest(), 1, 1.0)
         held = client.lease(site, 1, 1, 4.0, 1.0)["lease"]
         client.submit_delta(
             1, delta_file(tmp_path, g0, seed=i, name=site), inline=False, site=site,
