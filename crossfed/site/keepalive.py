@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from crossfed.client.http import Refused, Unreachable
 from crossfed.launchenv import talks_to_coordinator
+from crossfed.progress import site_prefix
 
 if TYPE_CHECKING:
     from crossfed.client.http import CoordinatorClient
@@ -73,7 +74,7 @@ class LeaseKeeper:
         if self.kept:
             log.info(
                 "%s kept lease(s) %s alive while this job started (%d beats)",
-                f"[{self.site}]", ", ".join(map(str, sorted(self.kept))), self.beats,
+                site_prefix(self.site), ", ".join(map(str, sorted(self.kept))), self.beats,
             )  # fmt: skip
 
     def _run(self) -> None:
