@@ -35,11 +35,12 @@ accepted delta) judge the run. The last line printed is one JSON object:
 ``recovery_s``  (per kind: median and max seconds from the fault to the hit site's next
     accepted delta, any site's for coordinator and disk faults)
 
-Run: ``python bench/soak.py`` (60 rounds of 100 inner steps, phases of about 10 s, about
-2,000 faults; about 32 minutes with the fault-free run), ``--preset long-phases`` (24 rounds
-of 300 steps, phases of about 30 s: the same faults per round, a restart's fixed seconds
-weighing a third as much against a phase) or ``--preset ci`` (14 rounds of 8 steps, 100-200
-faults in about 3 minutes, no fault-free run: the test suite's).
+Run: ``python bench/soak.py`` (``--preset long-phases``: 24 rounds of 300 inner steps, phases
+of about 30 s, about 1,600 faults; about 31 minutes with the fault-free run),
+``--preset short-phases`` (60 rounds of 100 steps, phases of about 10 s, about 2,000 faults:
+the same faults per round, a restart's fixed seconds weighing three times as much against a
+phase) or ``--preset ci`` (14 rounds of 8 steps, 100-200 faults in about 3 minutes, no
+fault-free run: the test suite's).
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ MiB = 1 << 20
 class SoakConfig:
     """One soak: the run's shape and the fault schedule's knobs."""
 
-    rounds: int = 60
+    rounds: int = 24
     seed: int = 0
-    documents: int = 64  # about three rounds an epoch
-    inner_steps: int = 100  # H: with step_s a phase of 10 s, compute most of a round
+    documents: int = 64  # an epoch every round or few: many epochs in a run
+    inner_steps: int = 300  # H: with step_s a phase of about 30 s, compute most of a round
     overlap: bool = True
     # as the workflow's sites run (config/config.yaml): a mid-phase checkpoint every 10 steps
     # and leases of at least 10 s
@@ -137,11 +138,13 @@ class SoakConfig:
 
 
 PRESETS = {
-    "full": SoakConfig(),
-    # the same faults per round with phases three times as long (about 30 s): a restart's
-    # fixed seconds (the requeue's 1-3 s, Python's start) weigh against a phase as they
-    # do nearer a real site's phases of minutes; 24 rounds keep it about as long as "full"
-    "long-phases": SoakConfig(rounds=24, inner_steps=300),
+    # phases of about 30 s, the default: a restart's fixed seconds (the requeue's 1-3 s,
+    # Python importing torch and torchtitan) weigh against a phase nearer to how they do
+    # against a real site's phases of minutes
+    "long-phases": SoakConfig(),
+    # the same faults per round with phases a third as long (about 10 s), 60 rounds to keep
+    # it about as long: a stress preset, where the restarts' seconds weigh three times as much
+    "short-phases": SoakConfig(rounds=60, inner_steps=100),
     "ci": SoakConfig(
         rounds=14,
         documents=8,
@@ -740,7 +743,7 @@ def recovery(
 # ---------------------------------------------------------------------------- entry
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="long-phases")
     parser.add_argument("--rounds", type=int, default=0, help="override the preset's rounds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", help="default: results/bench/soak")
