@@ -22,10 +22,12 @@ import pickle
 import sqlite3
 import zlib
 from collections.abc import Mapping, Sequence
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from crossfed.darl.leases import LeaseBook, LeaseError
+
+if TYPE_CHECKING:  # pandas is imported where a table is made: a site job never makes one
+    import pandas as pd
 
 __all__ = [
     "OPS",
@@ -314,6 +316,8 @@ class LedgerStore:
         NaN (blank), since a run has no single round trip time. Sites missing from `ranks`
         or `rtt_ms` get NA there.
         """
+        import pandas as pd
+
         stats = book.site_stats()
         rows = [
             {

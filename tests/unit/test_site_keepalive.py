@@ -84,3 +84,23 @@ def test_only_the_process_that_becomes_rank_0_keeps_leases(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert talks_to_coordinator(launcher) is talks
+
+
+def test_a_site_job_imports_no_more_than_it_needs_before_it_trains() -> None:
+    """A restarted job's keeper beats before the job imports torch, and the job's runner
+    leaves pandas alone (only the coordinator's reports make tables): every second of a
+    restart's imports is a second the site does not train."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import crossfed.site.keepalive\n"
+        "early = sorted(m for m in ('torch', 'pandas') if m in sys.modules)\n"
+        "import crossfed.site.runner\n"
+        "print(early, 'pandas' in sys.modules, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.split("\n")[-2] == "[] False True", done.stdout + done.stderr
