@@ -52,7 +52,7 @@ class StubClient:
     def __init__(self, lease: dict, rtt_s: float) -> None:
         self.lease, self.rtt_s, self.beats = lease, rtt_s, 0
 
-    def heartbeat(self, lease_id, site, consumed, t_step_s, *extra) -> dict:
+    def heartbeat(self, lease_id, site, consumed, t_step_s, *extra, **options) -> dict:
         time.sleep(self.rtt_s)
         self.beats += 1
         return {"lease": {**self.lease, "consumed": consumed}, "echo": None}

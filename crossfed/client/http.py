@@ -73,6 +73,10 @@ read_responses_in_large_pieces()
 #: (the server was there: a long poll behind a proxy that ends connections) is retried after
 #: it again, not after a delay grown by earlier misses
 HELD_TRY_S = 0.2
+#: a lease's heartbeat thread gives each beat this many seconds, its retries included, and
+#: beats again an interval later: one connection a failing network holds (a NAT that dropped
+#: it silently) must not outlast the lease's TTL, as the client's whole timeout could
+BEAT_TRY_S = 3.0
 #: a JSON request answered 408 (its body came too slowly) never reached its handler: resend it
 JSON_RETRY_STATUS = RETRY_STATUS | {408}
 #: refusals of one part that a resync (asking the coordinator where to resume) fixes
@@ -163,11 +167,12 @@ class CoordinatorClient:
         *,
         retry_status: set[int] = RETRY_STATUS,
         http: httpx.Client | None = None,
+        budget_s: float | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        backoff = Backoff(
-            HELD_TRY_S, 5.0, jitter=True, budget_s=self.retry_budget_s, sleep=self.sleep
-        )
+        """``budget_s``: this request's retry budget (None: the client's)."""
+        budget = self.retry_budget_s if budget_s is None else budget_s
+        backoff = Backoff(HELD_TRY_S, 5.0, jitter=True, budget_s=budget, sleep=self.sleep)
         factory = kwargs.pop("content_factory", None)
         while True:
             if factory is not None:
@@ -290,13 +295,20 @@ class CoordinatorClient:
         t_step_s: float | None,
         echo: int | None = None,
         echo_held_s: float | None = None,
+        try_s: float | None = None,
     ) -> dict[str, Any]:
         """Refresh a lease; ``echo``/``echo_held_s`` return the previous reply's nonce and how
-        long it was held, so the coordinator can measure the round trip."""
+        long it was held, so the coordinator can measure the round trip. ``try_s``: the
+        seconds this beat may take, retries included (None: the client's timeout and
+        budget), for a caller that beats again soon."""
         body = {"site": site, "consumed": consumed, "t_step_s": t_step_s}
         if echo is not None:
             body |= {"echo": echo, "echo_held_s": echo_held_s}
-        return self.post(f"/v1/leases/{lease_id}/heartbeat", body, round_trip=True)
+        path = f"/v1/leases/{lease_id}/heartbeat"
+        if try_s is None:
+            return self.post(path, body, round_trip=True)
+        bounded = httpx.Timeout(try_s, connect=min(10.0, try_s))
+        return self.post(path, body, round_trip=True, timeout=bounded, budget_s=try_s)
 
     def adopt(
         self, lease_id: int, site: str, consumed: int, rtt_ms: float | None = None

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from crossfed.backoff import Backoff
-from crossfed.client.http import CoordinatorClient, Refused, Unreachable
+from crossfed.client.http import BEAT_TRY_S, CoordinatorClient, Refused, Unreachable
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.fileio import keep_global_model
 from crossfed.progress import site_prefix
@@ -86,8 +86,9 @@ class Heartbeat:
             try:
                 held = time.perf_counter() - received if echo is not None else None
                 reply = self.client.heartbeat(
-                    self.lease_id, self.site, self.consumed, self.t_step_s, echo, held
-                )
+                    self.lease_id, self.site, self.consumed, self.t_step_s, echo, held,
+                    try_s=BEAT_TRY_S,
+                )  # fmt: skip
                 echo, received = reply.get("echo"), time.perf_counter()
             except Refused as exc:
                 self.lost = f"{exc.code}: {exc.detail}"

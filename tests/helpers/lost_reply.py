@@ -3,7 +3,8 @@
 ``LostReply`` loses one reply on its way back: the request whose first line holds ``marker``
 reaches the server (which acts on it), and its answer is dropped and the client's connection
 closed, as a reply lost to a network fault is; everything else goes through untouched.
-``CutConnections`` ends every connection a fixed time after it opens."""
+``CutConnections`` ends every connection a fixed time after it opens; ``StalledFirst`` holds
+its first connections without a word."""
 
 from __future__ import annotations
 
@@ -136,3 +137,30 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
             sink.sendall(data)
         except OSError:
             return
+
+
+class StalledFirst(_Proxy):
+    """Forwards to ``upstream_port``, except that its first ``count`` connections are held
+    open and never forwarded nor answered (as a connection a NAT or a proxy dropped without
+    a word). Counts the connections it held (:attr:`held`)."""
+
+    def __init__(self, upstream_port: int, count: int = 1) -> None:
+        self.count, self.held = count, 0
+        self._stalled: list[socket.socket] = []  # kept open until the proxy closes
+        super().__init__(upstream_port)
+
+    def _connect(self, client: socket.socket) -> None:
+        if self.held < self.count:
+            self.held += 1
+            self._stalled.append(client)
+            return
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        for source, sink in ((client, upstream), (upstream, client)):
+            threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        super().__exit__(kind, exc, tb)
+        for sock in self._stalled:
+            _close(sock)

@@ -11,13 +11,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from crossfed.client.http import HELD_TRY_S, CoordinatorClient, Refused, Unreachable
+from crossfed.client.http import (
+    BEAT_TRY_S,
+    HELD_TRY_S,
+    CoordinatorClient,
+    Refused,
+    Unreachable,
+)
 from crossfed.client.reach import EndpointError
 from crossfed.coordinator.embedded import ensure_secrets, launch_coordinator, wait_until_serving
 from crossfed.darl.ledger import COMMITTED_TABLE, META_TABLE
 from crossfed.site.control import Heartbeat
 from tests.conftest import SITES, LiveCoordinator, digest_of, stop
-from tests.helpers.lost_reply import CutConnections
+from tests.helpers.lost_reply import CutConnections, StalledFirst
 
 
 def global_model(live: LiveCoordinator, generation: int, tmp: Path) -> dict[str, torch.Tensor]:
@@ -341,6 +347,36 @@ def test_a_committed_leases_last_heartbeat_retrying_does_not_hold_up_what_comes_
             assert beat._thread.is_alive()  # still retrying: not waited for
             beat.stop()
             assert not beat._thread.is_alive()  # its budget spent, the beat gave up
+
+
+def test_a_heartbeat_held_by_a_silent_connection_beats_again_within_the_leases_ttl(
+    run: LiveCoordinator, tiny_data: Path
+) -> None:
+    """A beat whose connection the network holds without a word (a NAT that dropped it)
+    gives up after ``BEAT_TRY_S``, and the next beat, on a new connection, renews the lease:
+    a lease (a TTL of 10 s in the workflow) outlives one silent connection, where a beat
+    waiting for the client's whole timeout (30 s here, its default) would have let it expire."""
+    lease = join_and_lease(run, "snellius", tiny_data)
+
+    def expiry() -> float:
+        live = run.client().status()["active_leases"]
+        return float(next(x["expires_at"] for x in live if x["lease_id"] == lease["lease_id"]))
+
+    before = expiry()
+    with StalledFirst(run.port) as proxy:
+        client = CoordinatorClient(
+            f"http://127.0.0.1:{proxy.port}", run.secrets["sites"]["snellius"]
+        )
+        assert client.timeout_s >= 30.0
+        beat = Heartbeat(client, "snellius", lease, interval_s=0.1, at_once=True)
+        with beat:
+            deadline = time.monotonic() + 2 * BEAT_TRY_S + 2.0
+            while expiry() == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            renewed = expiry() > before  # before the beat's thread is stopped and waited for
+        assert proxy.held == 1
+        assert renewed, "no beat renewed the lease past the silent connection in time"
+        assert beat.lost is None
 
 
 def test_a_heartbeat_at_once_renews_its_lease_before_its_first_interval(
