@@ -22,6 +22,7 @@ POINTS = frozenset(
         "after_close_commit",  # the round is closed and committed, before retention
         "site_after_step",  # a site job has finished an inner step of its phase (every rank)
         "site_mid_upload",  # overlap: round r's delta is being sent while r+1 trains (rank 0)
+        "site_after_send",  # overlap: round r's delta accepted, its record not yet written
         "site_mid_fold",  # overlap: the merged model is half folded into the weights
         "site_awaiting_merge",  # overlap: an early phase waits for the merge, checkpointed
     }

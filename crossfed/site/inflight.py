@@ -108,6 +108,7 @@ class InFlight:
             self.outcome = self.control.send(
                 pending, self.outcome, self.state_dir, fresh=self.fresh
             )
+            crash_point("site_after_send", f"{self.control.site}:{self.round}")  # tests only
             self.outcome.comms_hidden_s += self.outcome.upload_s  # beside the next phase
         except BaseException as exc:
             self.send_error = exc

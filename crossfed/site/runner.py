@@ -51,7 +51,7 @@ import torch
 from safetensors.torch import load_file
 
 from crossfed import moments, rowcounts
-from crossfed.client.http import CoordinatorClient
+from crossfed.client.http import CoordinatorClient, Refused, Unreachable
 from crossfed.coordinator.faults import crash_armed, crash_point
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.darl.leases import lease_blocks
@@ -391,6 +391,23 @@ class SiteRunner:
         if accumulation != self.s.inner.accumulation:
             self.s = replace(self.s, inner=replace(self.s.inner, accumulation=accumulation))
 
+    def _as_accepted(self, outcome: RoundOutcome) -> None:
+        """Fill ``outcome``, a round whose delta a killed job sent, with what the coordinator
+        accepted of it (tokens, steps, blocks, loss, compute seconds): the killed job may have
+        died before it recorded the round, and its record is the round's in the metrics.
+        Left as it is when the coordinator cannot say."""
+        assert self.control is not None
+        try:
+            info = self.control.client.round_info(outcome.round)
+        except (Refused, Unreachable):
+            return
+        for delta in info.get("deltas", []):
+            if delta["site"] == self.s.site:  # one delta a site and round
+                outcome.tokens, outcome.steps = int(delta["tokens"]), int(delta["steps"])
+                outcome.blocks_committed = int(delta["consumed"])
+                outcome.loss_mean = outcome.loss_last = delta["loss"]
+                outcome.compute_s = float(delta["compute_s"] or 0.0)
+
     def _prepare(self, round_no: int) -> RoundOutcome | RoundStart:
         """Rank 0: join, resend a checkpointed delta, adopt the global model, lease or resume."""
         control = self.control
@@ -427,6 +444,7 @@ class SiteRunner:
                         detail="its delta, a previous job's, was accepted before this job",
                     )  # fmt: skip
                     held.extra["already"] = True  # as a resend the coordinator held already
+                    self._as_accepted(held)
                     ahead = self._go_ahead(None, held, joined, rtt)
                     if ahead is not None:
                         return ahead

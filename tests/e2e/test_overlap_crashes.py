@@ -7,7 +7,9 @@ once at a crash point (crossfed.coordinator.faults) and is started again:
 (b) ``site_mid_fold``: round 1's merged model half folded into round 2's early phase;
 (c) ``site_after_step``: after the first step of round 2's early phase, round 1 still open;
 (d) ``site_awaiting_merge``: round 2's early phase checkpointed and waiting for round 1's
-    merge (its lead spent), round 1 still open; the restarted job goes on with it at once.
+    merge (its lead spent), round 1 still open; the restarted job goes on with it at once;
+(e) ``site_after_send``: round 1's delta accepted, its record not yet written; the restarted
+    job records the round as the coordinator accepted it.
 
 The crashing site is snellius, a subprocess. frontier is a real SiteRunner in this process
 that leases each round at once but trains it only when the test lets it (``HeldBack``): its
@@ -288,6 +290,28 @@ def test_killed_mid_upload_of_round_r_resends_it_once(crash: Crash) -> None:
     )  # fmt: skip
     assert again["accepted"] is True and again["already"] is True
     assert crash.check_exactly_once() == deltas
+
+
+@pytest.mark.parametrize(
+    "crash", [(f"site_after_send@{SITE}:1", 30.0)], indirect=True, ids=["after_send"]
+)
+def test_killed_after_its_delta_was_accepted_the_restarted_job_records_what_it_trained(
+    crash: Crash,
+) -> None:
+    """Round 1's delta was accepted and the job died before it wrote the round's record: the
+    restarted job, told the delta is in, records round 1 as the coordinator accepted it
+    (its tokens, steps, blocks and compute seconds), not as a round of no work, and goes
+    on to round 2 at once."""
+    crash.first_job_dies(lambda: False)
+    assert crash.delivered(1) and crash.round_record(1) == {}
+    crash.restart(range(1, ROUNDS + 1), gate_one=lambda: began_early(crash))
+    (sent,) = [d for d in crash.check_exactly_once() if d["round_no"] == 1 and d["site"] == SITE]
+    first = crash.round_record(1)
+    assert first["status"] == "accepted" and first["extra"]["already"] is True, first
+    assert (first["tokens"], first["steps"], first["blocks_committed"]) == (
+        sent["tokens"], sent["steps"], sent["consumed"],
+    ), (first, sent)  # fmt: skip
+    assert first["compute_s"] == pytest.approx(sent["compute_s"]) and first["compute_s"] > 0
 
 
 def began_early(crash: Crash, how: str = "early lease") -> bool:
