@@ -304,11 +304,10 @@ class CoordinatorClient:
         body = {"site": site, "consumed": consumed, "t_step_s": t_step_s}
         if echo is not None:
             body |= {"echo": echo, "echo_held_s": echo_held_s}
-        path = f"/v1/leases/{lease_id}/heartbeat"
-        if try_s is None:
-            return self.post(path, body, round_trip=True)
-        bounded = httpx.Timeout(try_s, connect=min(10.0, try_s))
-        return self.post(path, body, round_trip=True, timeout=bounded, budget_s=try_s)
+        bounded: dict[str, Any] = {}
+        if try_s is not None:
+            bounded = {"timeout": httpx.Timeout(try_s, connect=min(10.0, try_s)), "budget_s": try_s}
+        return self.post(f"/v1/leases/{lease_id}/heartbeat", body, round_trip=True, **bounded)
 
     def adopt(
         self, lease_id: int, site: str, consumed: int, rtt_ms: float | None = None

@@ -118,9 +118,7 @@ class CutConnections(_Proxy):
         if self.hold_s <= 0:
             _close(client)
             return
-        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-        for source, sink in ((client, upstream), (upstream, client)):
-            threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+        upstream = _forward(client, self.upstream_port)
         timer = threading.Timer(self.hold_s, _close_both, args=(client, upstream))
         timer.daemon = True
         timer.start()
@@ -129,6 +127,15 @@ class CutConnections(_Proxy):
 def _close_both(a: socket.socket, b: socket.socket) -> None:
     _close(a)
     _close(b)
+
+
+def _forward(client: socket.socket, upstream_port: int) -> socket.socket:
+    """Pump ``client``'s connection both ways to the server at ``upstream_port``; the
+    server's side of it."""
+    upstream = socket.create_connection(("127.0.0.1", upstream_port))
+    for source, sink in ((client, upstream), (upstream, client)):
+        threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+    return upstream
 
 
 def _pump(source: socket.socket, sink: socket.socket) -> None:
@@ -154,9 +161,7 @@ class StalledFirst(_Proxy):
             self.held += 1
             self._stalled.append(client)
             return
-        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-        for source, sink in ((client, upstream), (upstream, client)):
-            threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+        _forward(client, self.upstream_port)
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

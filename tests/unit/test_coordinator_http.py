@@ -64,6 +64,12 @@ def join_and_lease(
     return reply["lease"]
 
 
+def lease_expiry(live: LiveCoordinator, lease_id: int) -> float:
+    """When the coordinator's status says the active lease ``lease_id`` expires."""
+    leases = live.client().status()["active_leases"]
+    return float(next(x["expires_at"] for x in leases if x["lease_id"] == lease_id))
+
+
 def submit(
     live: LiveCoordinator,
     site: str,
@@ -359,8 +365,7 @@ def test_a_heartbeat_held_by_a_silent_connection_beats_again_within_the_leases_t
     lease = join_and_lease(run, "snellius", tiny_data)
 
     def expiry() -> float:
-        live = run.client().status()["active_leases"]
-        return float(next(x["expires_at"] for x in live if x["lease_id"] == lease["lease_id"]))
+        return lease_expiry(run, lease["lease_id"])
 
     before = expiry()
     with StalledFirst(run.port) as proxy:
@@ -389,10 +394,7 @@ def test_a_heartbeat_at_once_renews_its_lease_before_its_first_interval(
     client = run.client("snellius")
 
     def expiry() -> float:
-        live = [
-            x for x in run.client().status()["active_leases"] if x["lease_id"] == lease["lease_id"]
-        ]
-        return float(live[0]["expires_at"])
+        return lease_expiry(run, lease["lease_id"])
 
     before = expiry()
     for at_once in (False, True):
