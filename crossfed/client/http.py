@@ -77,6 +77,10 @@ HELD_TRY_S = 0.2
 #: beats again an interval later: one connection a failing network holds (a NAT that dropped
 #: it silently) must not outlast the lease's TTL, as the client's whole timeout could
 BEAT_TRY_S = 3.0
+#: ... or this many of the site's recent round trips, where that is longer: a beat on a fresh
+#: connection through a forward proxy over TLS takes about four (the tunnel, the handshake,
+#: the request), which a slow link stretches past ``BEAT_TRY_S``
+BEAT_TRY_RTTS = 5.0
 #: a JSON request answered 408 (its body came too slowly) never reached its handler: resend it
 JSON_RETRY_STATUS = RETRY_STATUS | {408}
 #: refusals of one part that a resync (asking the coordinator where to resume) fixes
@@ -97,6 +101,12 @@ STATUS_WAIT_S = 20.0
 #: how long one counts: a site that heartbeats measures its RTT without asking more
 RTT_SAMPLES = 8
 RTT_FRESH_S = 120.0
+
+
+def beat_try_s(rtt_ms: float | None) -> float:
+    """The seconds one heartbeat may take, retries included: ``BEAT_TRY_S``, or
+    ``BEAT_TRY_RTTS`` round trips of ``rtt_ms`` where that is longer."""
+    return max(BEAT_TRY_S, BEAT_TRY_RTTS * (rtt_ms or 0.0) / 1000.0)
 
 
 class CoordinatorClient:
@@ -238,14 +248,23 @@ class CoordinatorClient:
             self._backend = "s3"
             return on_s3()
 
+    def recent_rtt_ms(self) -> float | None:
+        """The median of the latest short requests' round trips in the last ``RTT_FRESH_S``
+        seconds, in milliseconds; None when there are none (asks nothing)."""
+        recent = self._fresh_round_trips()
+        return statistics.median(recent) if recent else None
+
+    def _fresh_round_trips(self) -> list[float]:
+        now = time.monotonic()
+        return [ms for when, ms in self._round_trips if now - when <= RTT_FRESH_S]
+
     def rtt_ms(self, samples: int = 3) -> float:
         """The site's round trip to the coordinator, in milliseconds: the median of the
         latest short requests when at least ``samples`` were answered in the last
         ``RTT_FRESH_S`` seconds (a site that heartbeats asks nothing more), else of
         ``samples`` health checks (whose answers name the blob backend too, so a site that
         measures its RTT asks no more for that)."""
-        now = time.monotonic()
-        recent = [ms for when, ms in self._round_trips if now - when <= RTT_FRESH_S]
+        recent = self._fresh_round_trips()
         if len(recent) >= samples:
             return statistics.median(recent)
         for _ in range(samples):

@@ -12,16 +12,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from crossfed.client.http import (
+    BEAT_TRY_RTTS,
     BEAT_TRY_S,
     HELD_TRY_S,
     CoordinatorClient,
     Refused,
     Unreachable,
+    beat_try_s,
 )
 from crossfed.client.reach import EndpointError
 from crossfed.coordinator.embedded import ensure_secrets, launch_coordinator, wait_until_serving
 from crossfed.darl.ledger import COMMITTED_TABLE, META_TABLE
 from crossfed.site.control import Heartbeat
+from crossfed.testing.wan_emulator import EmulatorProcess, Link
 from tests.conftest import SITES, LiveCoordinator, digest_of, stop
 from tests.helpers.lost_reply import CutConnections, StalledFirst
 
@@ -382,6 +385,37 @@ def test_a_heartbeat_held_by_a_silent_connection_beats_again_within_the_leases_t
         assert proxy.held == 1
         assert renewed, "no beat renewed the lease past the silent connection in time"
         assert beat.lost is None
+
+
+def test_a_beats_try_is_its_floor_or_its_sites_round_trips_where_those_take_longer() -> None:
+    assert beat_try_s(None) == BEAT_TRY_S
+    assert beat_try_s(347.0) == BEAT_TRY_S  # the paper's longest link: 1.7 s in 5 round trips
+    assert beat_try_s(2000.0) == pytest.approx(BEAT_TRY_RTTS * 2.0)
+
+
+def test_a_heartbeat_over_a_link_slower_than_its_floor_hears_its_answer(
+    run: LiveCoordinator, tiny_data: Path
+) -> None:
+    """A beat's answer is how a site learns its lease was shrunk by a steal or is gone. Over
+    a link whose round trip is longer than ``BEAT_TRY_S`` (emulated here), a beat has
+    ``BEAT_TRY_RTTS`` of the site's measured round trips, so the answer arrives: here the
+    refusal of a lease released behind the site's back. Bounded by ``BEAT_TRY_S`` alone,
+    every beat gave up before its answer came, and the site trained on, none the wiser."""
+    lease = join_and_lease(run, "snellius", tiny_data)
+    run.client("snellius").release(lease["lease_id"], "snellius")
+    rtt_ms = (BEAT_TRY_S + 1.0) * 1000.0
+    with EmulatorProcess([Link("slow", "127.0.0.1", run.port, rtt_ms=rtt_ms)]) as ports:
+        client = CoordinatorClient(
+            f"http://127.0.0.1:{ports['slow']}", run.secrets["sites"]["snellius"]
+        )
+        client.health()  # a round trip measured, as a site's join measures its RTT
+        assert (client.recent_rtt_ms() or 0.0) >= rtt_ms
+        beat = Heartbeat(client, "snellius", lease, interval_s=0.5, at_once=True)
+        with beat:
+            deadline = time.monotonic() + 2 * beat_try_s(rtt_ms) + 5.0
+            while beat.lost is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert beat.lost is not None, "no beat over the slow link heard its answer"
 
 
 def test_a_heartbeat_at_once_renews_its_lease_before_its_first_interval(
