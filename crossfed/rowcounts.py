@@ -15,9 +15,9 @@ A phase of an overlapped round counts only the windows it trained after its fold
 row updates, measured against rows the merge has since moved, do not claim those rows.
 
 Measured in ``bench/quality.py`` (docs/quality.md, "Embedding rows weighted by their
-tokens"): at H=25 it takes three sites from 1.35 to 1.19 of centralised training's
-held-out perplexity in plain rounds, and from 1.44 to 1.31 in overlapped ones (the
-workflow's default), lower in every seed: ``counts`` is the default of a new run.
+tokens"): at H=25 it takes three sites from 1.35 to 1.18 of centralised training's
+held-out perplexity in plain rounds, and from 1.44 to 1.36 in overlapped ones (the
+workflow's default): ``counts`` is the default of a new run.
 """
 
 from __future__ import annotations
