@@ -52,9 +52,6 @@ class StubClient:
     def __init__(self, lease: dict, rtt_s: float) -> None:
         self.lease, self.rtt_s, self.beats = lease, rtt_s, 0
 
-    def recent_rtt_ms(self) -> float:
-        return self.rtt_s * 1000.0
-
     def heartbeat(self, lease_id, site, consumed, t_step_s, *extra, **options) -> dict:
         time.sleep(self.rtt_s)
         self.beats += 1

@@ -314,19 +314,20 @@ class CoordinatorClient:
         t_step_s: float | None,
         echo: int | None = None,
         echo_held_s: float | None = None,
-        try_s: float | None = None,
+        bounded: bool = False,
     ) -> dict[str, Any]:
         """Refresh a lease; ``echo``/``echo_held_s`` return the previous reply's nonce and how
-        long it was held, so the coordinator can measure the round trip. ``try_s``: the
-        seconds this beat may take, retries included (None: the client's timeout and
-        budget), for a caller that beats again soon."""
+        long it was held, so the coordinator can measure the round trip. ``bounded``: this
+        beat may take ``beat_try_s`` of the recent round trips, retries included (else the
+        client's timeout and budget), for a caller that beats again soon."""
         body = {"site": site, "consumed": consumed, "t_step_s": t_step_s}
         if echo is not None:
             body |= {"echo": echo, "echo_held_s": echo_held_s}
-        bounded: dict[str, Any] = {}
-        if try_s is not None:
-            bounded = {"timeout": httpx.Timeout(try_s, connect=min(10.0, try_s)), "budget_s": try_s}
-        return self.post(f"/v1/leases/{lease_id}/heartbeat", body, round_trip=True, **bounded)
+        options: dict[str, Any] = {}
+        if bounded:
+            try_s = beat_try_s(self.recent_rtt_ms())
+            options = {"timeout": httpx.Timeout(try_s, connect=min(10.0, try_s)), "budget_s": try_s}
+        return self.post(f"/v1/leases/{lease_id}/heartbeat", body, round_trip=True, **options)
 
     def adopt(
         self, lease_id: int, site: str, consumed: int, rtt_ms: float | None = None

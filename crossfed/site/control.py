@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from crossfed.backoff import Backoff
-from crossfed.client.http import CoordinatorClient, Refused, Unreachable, beat_try_s
+from crossfed.client.http import CoordinatorClient, Refused, Unreachable
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.fileio import keep_global_model
 from crossfed.progress import site_prefix
@@ -87,7 +87,7 @@ class Heartbeat:
                 held = time.perf_counter() - received if echo is not None else None
                 reply = self.client.heartbeat(
                     self.lease_id, self.site, self.consumed, self.t_step_s, echo, held,
-                    try_s=beat_try_s(self.client.recent_rtt_ms()),
+                    bounded=True,
                 )  # fmt: skip
                 echo, received = reply.get("echo"), time.perf_counter()
             except Refused as exc:
