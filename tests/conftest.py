@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -165,6 +167,31 @@ class SpareCoordinators:
     def close(self) -> None:
         if self.spare is not None:
             stop(self.spare.process)
+
+
+#: threads a site's Control starts: a lease's heartbeat and the next round's early lease
+SITE_THREADS = ("heartbeat-", "early-")
+#: a stopped heartbeat ends within its beat's try (3 s on loopback); a thread alive this long
+#: after its test was never stopped
+SITE_THREAD_GRACE_S = 10.0
+
+
+@pytest.fixture(autouse=True)
+def _no_site_thread_outlives_its_test() -> Iterator[None]:
+    """After each test, no heartbeat or early-lease thread it started is still running: one
+    left behind beats a lease its site no longer trains (and, its coordinator gone, logs into
+    a later test's output)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + SITE_THREAD_GRACE_S
+    started = [
+        t for t in threading.enumerate() if t not in before and t.name.startswith(SITE_THREADS)
+    ]
+    for thread in started:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = sorted(t.name for t in started if t.is_alive())
+    if alive:
+        pytest.fail(f"site threads running {SITE_THREAD_GRACE_S:.0f} s after the test: {alive}")
 
 
 @pytest.fixture(autouse=True)

@@ -304,22 +304,27 @@ def test_an_early_lease_asked_before_the_round_before_it_opened_is_asked_again_o
     runner = joined_lumi(coordinator, tiny_data, tmp_path)
     assert runner.control is not None
     ask = EarlyAsk(runner.control, 3, 2, 1.0, 1)  # round 3 while round 1 is open
-    time.sleep(1.0)
-    assert not ask._done.is_set()  # waiting for round 2, not given up
-    g0 = global_model(coordinator, 0, tmp_path)
-    for site in SITES:  # every site joins before any delivers: round 1 waits for them all
-        if site != "lumi":
-            coordinator.client(site).register(site, runner.space.digest(), 1, 1.0)
-    for i, site in enumerate(SITES):  # round 1 closes with every site's delta
-        client = coordinator.client(site)
-        held = client.lease(site, 1, 1, 4.0, 1.0)["lease"]
-        client.submit_delta(
-            1, delta_file(tmp_path, g0, seed=i, name=site), inline=False, site=site,
-            lease_id=held["lease_id"], generation=0, tokens=200, steps=1,
-            consumed=held["n_blocks"],
-        )  # fmt: skip
-    taken = ask.take()
-    assert coordinator.client().status()["round"] == 2
-    assert taken is not None and taken[0]["round"] == 3  # asked again once round 2 opened
-    assert lease_of(coordinator, "lumi", 3)
-    ask.drop()
+    try:
+        time.sleep(1.0)
+        assert not ask._done.is_set()  # waiting for round 2, not given up
+        g0 = global_model(coordinator, 0, tmp_path)
+        for site in SITES:  # every site joins before any delivers
+            if site != "lumi":
+                coordinator.client(site).register(site, runner.space.digest(), 1, 1.0)
+        # every site leases before any delivers: round 1 closes once all three are in, never
+        # between two of them (a registration holds it open only for the join window)
+        held = {
+            site: coordinator.client(site).lease(site, 1, 1, 4.0, 1.0)["lease"] for site in SITES
+        }
+        for i, site in enumerate(SITES):
+            coordinator.client(site).submit_delta(
+                1, delta_file(tmp_path, g0, seed=i, name=site), inline=False, site=site,
+                lease_id=held[site]["lease_id"], generation=0, tokens=200, steps=1,
+                consumed=held[site]["n_blocks"],
+            )  # fmt: skip
+        taken = ask.take()
+        assert coordinator.client().status()["round"] == 2
+        assert taken is not None and taken[0]["round"] == 3  # asked again once round 2 opened
+        assert lease_of(coordinator, "lumi", 3)
+    finally:
+        ask.drop()
