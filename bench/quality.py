@@ -8,7 +8,9 @@ DARL block permutation: site i's step h of round r trains the same windows in ev
 and the centralised step trains the three sites' step-h windows together, so every variant
 sees the same windows in the same number of sequential optimiser steps (the paper's control:
 Photon's federated advantage came from ~8x more steps). The learning-rate schedule is indexed
-by the global step in all of them. Every DiLoCo-style row crosses the workflow's wire: its
+by the global step in all of them: the workflow's for a new run (a linear warmup over a tenth
+of the run's steps, ``--warmup-steps`` to set it, then a cosine to ``--min-lr-factor`` of the
+peak). Every DiLoCo-style row crosses the workflow's wire: its
 sites train from the global model as the coordinator publishes it (the fp32 master cast to
 bf16) and send bf16 deltas measured against it, while the outer step runs on the fp32 master
 (``--global-dtype`` / ``--delta-dtype fp32`` make either side lossless).
@@ -48,8 +50,8 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
 
 ``--early-rounds N --early-h E`` makes the first N rounds E inner steps long and the rest H,
 over the same T steps and the same windows in the same order (post-local SGD, Lin et al.
-2020, arXiv 1808.07217: merge often while the model moves fastest, then rarely): a lever,
-not yet a workflow setting.
+2020, arXiv 1808.07217: merge often while the model moves fastest, then rarely), what the
+workflow's ``inner.early_rounds`` and ``inner.early_steps`` train.
 
 ``--regime long`` (the default) is where users run: the workflow's H=25 over 40 rounds
 (1,000 steps) and the paper's H=100 over 20 (2,000 steps), about 0.7 and 1.3 epochs of the
@@ -123,7 +125,7 @@ from crossfed.train.inner import (
 )
 from crossfed.train.model import build_model, load_parameters, parameters_of
 from crossfed.train.overlap import RULES, OverlapConfig, fold_in
-from crossfed.train.schedule import LRSchedule
+from crossfed.train.schedule import LRSchedule, default_warmup_steps
 from crossfed.wire.deltas import delta_of
 
 PAPER_RATIO = 34.7 / 28.2
@@ -520,6 +522,11 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
 
 
+def warmup_steps(args, T: int) -> int:
+    """The runs' warmup over ``T`` steps: ``--warmup-steps``, else the workflow's default."""
+    return default_warmup_steps(T) if args.warmup_steps is None else args.warmup_steps
+
+
 def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) -> dict:
     """One data order and model seed at one H: every requested row, trained side by side."""
     S, B, T = args.sites, args.batch, args.steps_by_h[H]
@@ -529,7 +536,7 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
     plan = site_windows(space, S, B, lengths, R)
     schedule = LRSchedule(
         peak_lr=args.lr,
-        warmup_steps=args.warmup_steps,
+        warmup_steps=warmup_steps(args, T),
         total_steps=T,
         min_lr_factor=args.min_lr_factor,
     )
@@ -652,7 +659,9 @@ def main() -> None:
     parser.add_argument("--delta-dtype", choices=DTYPES, default="bf16",
                         help="the deltas sites send (the workflow's: bf16)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="linear warmup steps (default: the workflow's for a new run, "
+                        "a tenth of the run's steps: schedule.default_warmup_steps)")  # fmt: skip
     parser.add_argument("--min-lr-factor", type=float, default=0.1)
     parser.add_argument(
         "--weight-decay",
@@ -803,7 +812,7 @@ def main() -> None:
         "seeds": args.seeds,
         "outer": {label: outer_json(cfg) for label, cfg in outers},
         "wire": {"global": args.global_dtype, "delta": args.delta_dtype},
-        "warmup_steps": args.warmup_steps,
+        "warmup_steps": {str(H): warmup_steps(args, T) for H, T in args.steps_by_h.items()},
         "min_lr_factor": args.min_lr_factor,
         "weight_decay": args.weight_decay,
         "adam_state": args.adam_state,

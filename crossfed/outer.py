@@ -76,7 +76,7 @@ class OuterConfig:
     three: ``average`` steps with :data:`AVERAGE_STEP` for any number of contributors,
     ``tuned`` takes both from the number of live contributors (:func:`tuned_step`). ``None`` is
     a preset not yet decided (a config that leaves it unset); the coordinator resolves it when
-    it stores the run (``crossfed.coordinator.runspec.resolve_outer``), and no step runs with
+    it stores the run (``crossfed.coordinator.runspec.resolve_unset``), and no step runs with
     it.
     """
 

@@ -105,12 +105,12 @@ def check_rerun(config: RunConfig, sites: Mapping[str, SiteConfig]) -> None:
         RunSpec,
         describe,
         differences,
-        resolve_outer,
+        resolve_unset,
         run_spec,
     )
 
     recorded = RunSpec.from_dict(json.loads(run_path.read_text())["spec"])
-    changes = differences(recorded, resolve_outer(run_spec(config, dict(sites)), recorded))
+    changes = differences(recorded, resolve_unset(run_spec(config, dict(sites)), recorded))
     refused = {name: change for name, change in changes.items() if name not in EXTENSIBLE}
     if refused:
         raise ConfigError(

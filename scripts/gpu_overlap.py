@@ -69,8 +69,7 @@ def run_config(base: dict[str, Any], args: argparse.Namespace, workdir: Path) ->
         dir=str(workdir / "data"), inputs=[], tokenizer=None, seq_len=args.seq_len
     )
     inner = config.setdefault("inner", {})
-    inner.update(steps=args.inner_steps, warmup_steps=min(inner.get("warmup_steps", 10),
-                                                          args.inner_steps))  # fmt: skip
+    inner["steps"] = args.inner_steps  # the warmup: the run's default, a tenth of its steps
     config["overlap"] = {"enabled": True, "rule": args.overlap_rule}
     config.setdefault("eval", {}).update(device=args.device)
     config["coordinator"] = {

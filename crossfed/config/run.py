@@ -137,7 +137,7 @@ class InnerSection(Section):
     early_rounds: int
     early_steps: int
     lr: float
-    warmup_steps: int
+    warmup_steps: int | None
     min_lr_factor: float
     weight_decay: float
     grad_clip: float

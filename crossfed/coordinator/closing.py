@@ -18,7 +18,7 @@ from crossfed.coordinator.core import CoordinatorError, log
 from crossfed.coordinator.faults import crash_point
 from crossfed.coordinator.merger import Written, shape_pairs
 from crossfed.coordinator.rounds import close_decision, next_global_step
-from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences, resolve_outer
+from crossfed.coordinator.runspec import EXTENSIBLE, RunSpec, describe, differences, resolve_unset
 from crossfed.coordinator.views import Views
 
 BLOB_GRACE_S = 3600.0  # an uploaded blob no delta refers to is deleted after this long
@@ -33,8 +33,8 @@ class Closing(Views):
             existing = store.get_meta(self.conn, "spec")
             if existing is not None:
                 current = RunSpec.from_dict(existing)
-                return self._resume_run(current, resolve_outer(spec, current))
-            spec = resolve_outer(spec, None)
+                return self._resume_run(current, resolve_unset(spec, current))
+            spec = resolve_unset(spec, None)
             written = self.merger.initial(
                 spec.flavour, spec.vocab_size, spec.model_seed, self._model_object(0)
             )

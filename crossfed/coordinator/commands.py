@@ -316,6 +316,9 @@ def cmd_run_init(args: argparse.Namespace) -> int:
         _secure_model(config, client, 0, Path(args.model_out))
     if reply.get("outer"):  # the outer step the coordinator runs (an unset preset resolved)
         spec = replace(spec, outer=OuterConfig(**reply["outer"]))
+    warmup = (reply.get("schedule") or {}).get("warmup_steps")
+    if spec.schedule.warmup_steps is None and warmup is not None:  # the run's, resolved
+        spec = replace(spec, schedule=replace(spec.schedule, warmup_steps=warmup))
     if args.out or not args.resume_only:  # the workflow's hook wants the one-line summary
         write_json(args.out, {"spec": spec.to_dict(), **reply})
     return 0

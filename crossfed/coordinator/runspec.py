@@ -10,7 +10,7 @@ from crossfed import moments, rowcounts
 from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
-from crossfed.train.schedule import LRSchedule, round_steps
+from crossfed.train.schedule import LRSchedule, default_warmup_steps, round_steps
 
 if TYPE_CHECKING:
     from crossfed.config import RunConfig, SiteConfig
@@ -64,11 +64,11 @@ class RunSpec:
     leases: LeasePolicy = field(default_factory=LeasePolicy)
     #: the sites' AdamW second moment at a merge (``inner.second_moment``,
     #: :mod:`crossfed.moments`): ``shared`` or ``own``; None is not yet decided (a config
-    #: that leaves it unset), resolved when the run is stored (:func:`resolve_outer`)
+    #: that leaves it unset), resolved when the run is stored (:func:`resolve_unset`)
     second_moment: str | None = None
     #: how the outer step weights an embedding's rows (``outer.embedding_rows``,
     #: :mod:`crossfed.rowcounts`): ``counts`` or ``shares``; None is not yet decided,
-    #: resolved when the run is stored (:func:`resolve_outer`)
+    #: resolved when the run is stored (:func:`resolve_unset`)
     embedding_rows: str | None = None
     #: the first ``early_rounds`` rounds train ``early_steps`` inner steps each, the later
     #: ones ``inner_steps`` (``inner.early_rounds``; docs/quality.md, "Early rounds")
@@ -136,6 +136,9 @@ class RunSpec:
             )
         if not spec.sites:
             raise RunSpecError("a run needs at least one site")
+        warmup = spec.schedule.warmup_steps
+        if warmup is not None and (type(warmup) is not int or warmup < 0):
+            raise RunSpecError(f"schedule.warmup_steps must be an integer >= 0, got {warmup!r}")
         share = spec.leases.probe_share
         if not 0.0 < share <= 1.0:
             raise RunSpecError(f"leases.probe_share must be in (0, 1], got {share}")
@@ -155,15 +158,18 @@ class RunSpec:
         return spec
 
 
-def resolve_outer(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
-    """``spec`` with its outer preset, its second-moment mode and its embedding rows'
-    weighting decided: one left unset (None) takes the existing run's, or the default
+def resolve_unset(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
+    """``spec`` with every setting its config may leave unset (None) decided: its outer
+    preset, its second-moment mode, its embedding rows' weighting and its warmup. One left
+    unset takes the existing run's, or for a new run the default
     (:data:`~crossfed.outer.DEFAULT_PRESET`, :data:`~crossfed.moments.DEFAULT_MODE`,
-    :data:`~crossfed.rowcounts.DEFAULT_MODE`) for a new run.
+    :data:`~crossfed.rowcounts.DEFAULT_MODE`, and
+    :func:`~crossfed.train.schedule.default_warmup_steps` of the run's length).
 
     So a changed default never changes a run in progress: a run keeps the settings it was
-    created with when its config leaves ``outer.preset``, ``inner.second_moment`` or
-    ``outer.embedding_rows`` unset.
+    created with when its config leaves ``outer.preset``, ``inner.second_moment``,
+    ``outer.embedding_rows`` or ``inner.warmup_steps`` unset, and a run extended by more
+    rounds keeps the warmup its first length gave it.
     """
     if spec.outer.preset is None:
         preset = existing.outer.preset if existing is not None else DEFAULT_PRESET
@@ -174,6 +180,13 @@ def resolve_outer(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
     if spec.embedding_rows is None:
         rows = existing.embedding_rows if existing is not None else rowcounts.DEFAULT_MODE
         spec = replace(spec, embedding_rows=rows)
+    if spec.schedule.warmup_steps is None:
+        warmup = (
+            existing.schedule.warmup_steps
+            if existing is not None
+            else default_warmup_steps(spec.schedule.total_steps)
+        )
+        spec = replace(spec, schedule=replace(spec.schedule, warmup_steps=warmup))
     return spec
 
 

@@ -6,18 +6,34 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+#: a new run's warmup when its config leaves ``inner.warmup_steps`` unset, as a share of its
+#: steps (docs/quality.md, "The inner schedule with today's defaults")
+WARMUP_SHARE = 0.1
+
+
+def default_warmup_steps(total_steps: int) -> int:
+    """The warmup of a new run of ``total_steps`` inner steps whose config leaves it unset:
+    :data:`WARMUP_SHARE` of them, at least one."""
+    return max(1, round(WARMUP_SHARE * total_steps))
+
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Linear warmup then cosine decay to ``min_lr_factor * peak_lr`` at ``total_steps``."""
+    """Linear warmup then cosine decay to ``min_lr_factor * peak_lr`` at ``total_steps``.
+
+    ``warmup_steps`` None is a run spec's warmup not yet decided (a config that leaves it
+    unset), resolved when the run is stored; a schedule that trains always has a number.
+    """
 
     peak_lr: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: int | None = 20
     total_steps: int = 1000
     min_lr_factor: float = 0.1
 
     def lr_at(self, global_step: int) -> float:
         """Learning rate of the optimiser step numbered ``global_step`` (0-based)."""
+        if self.warmup_steps is None:
+            raise ValueError("the warmup is not decided yet: resolve the run spec first")
         if global_step < self.warmup_steps:
             return self.peak_lr * (global_step + 1) / self.warmup_steps
         decay_steps = max(1, self.total_steps - self.warmup_steps)

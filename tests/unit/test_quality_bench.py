@@ -4,6 +4,7 @@ bit; with a delay it is the plain round first and differs from the second round 
 
 from __future__ import annotations
 
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from bench.quality import (
     regime_steps,
     round_lengths,
     site_windows,
+    warmup_steps,
 )
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.windows import WindowStore
@@ -29,7 +31,7 @@ from crossfed.outer import PRESETS
 from crossfed.train.inner import InnerConfig
 from crossfed.train.model import parameters_of
 from crossfed.train.overlap import OverlapConfig
-from crossfed.train.schedule import LRSchedule
+from crossfed.train.schedule import LRSchedule, default_warmup_steps
 
 SITES, BATCH, H, ROUNDS = 3, 2, 2, 2
 
@@ -177,6 +179,13 @@ def test_regimes_give_the_workflows_h_over_40_rounds_and_the_papers_over_20() ->
         regime_steps("long", [7], [100])
     with pytest.raises(ValueError, match="one value or one per H"):
         regime_steps("long", [5, 10, 20], [100, 200])
+
+
+def test_the_runs_warm_up_as_a_new_workflow_run_does_unless_told_otherwise() -> None:
+    unset, ten = Namespace(warmup_steps=None), Namespace(warmup_steps=10)
+    for steps in regime_steps("long", None, None).values():  # 1,000 and 2,000 steps
+        assert warmup_steps(unset, steps) == default_warmup_steps(steps) == steps // 10
+        assert warmup_steps(ten, steps) == 10
 
 
 def test_averaged_adam_state_is_the_sites_mean_and_the_outer_step_run_is_recorded(

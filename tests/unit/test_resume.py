@@ -20,7 +20,7 @@ from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
 from crossfed.sched.commands import build_parser as sched_parser
 from crossfed.site.loop import chain_continues
-from crossfed.train.schedule import LRSchedule
+from crossfed.train.schedule import LRSchedule, default_warmup_steps
 from tests.conftest import digest_of, staged_delta, tiny_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,6 +110,52 @@ def test_an_unset_second_moment_is_shared_for_a_new_run_and_own_for_a_run_stored
 
     with pytest.raises(RunSpecError, match="second_moment must be one of own, shared"):
         RunSpec.from_dict({**stored, "second_moment": "averaged"})
+
+
+def test_an_unset_warmup_is_a_tenth_of_a_new_runs_steps_and_stays_the_runs_own(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    unset = tiny_spec(tiny_data, schedule=LRSchedule(warmup_steps=None, total_steps=400))
+    fresh = Coordinator(tmp_path / "fresh")
+    assert fresh.init_run(unset)["schedule"]["warmup_steps"] == 40 == default_warmup_steps(400)
+    assert Coordinator(tmp_path / "fresh").spec.schedule.warmup_steps == 40  # stored resolved
+    assert fresh.init_run(unset)["created"] is False  # the same config again: no change
+    longer = replace(unset, schedule=replace(unset.schedule, total_steps=800))
+    reply = fresh.init_run(longer)  # more rounds: the warmup its first length gave it
+    assert reply["extended"] and reply["schedule"]["warmup_steps"] == 40
+    assert Coordinator(tmp_path / "fresh").spec.schedule.warmup_steps == 40
+    assert Coordinator(tmp_path / "fresh").spec.schedule.total_steps == 800
+
+    ten = tiny_spec(tiny_data, schedule=LRSchedule(warmup_steps=10, total_steps=400))
+    before = Coordinator(tmp_path / "before")  # a run created with the default before: 10
+    before.init_run(ten)
+    reply = before.init_run(unset)  # today's default config: the run keeps its own warmup
+    assert not reply["created"] and not reply["extended"]
+    assert reply["schedule"]["warmup_steps"] == 10
+    with pytest.raises(CoordinatorError) as changed:
+        before.init_run(replace(ten, schedule=replace(ten.schedule, warmup_steps=20)))
+    assert "schedule.warmup_steps: 10 -> 20" in changed.value.message
+    assert Coordinator(tmp_path / "before").spec == ten  # the refusal changed nothing
+
+    assert default_warmup_steps(1) == 1 and default_warmup_steps(1000) == 100
+    for bad in (-1, "ten", 2.5):
+        with pytest.raises(RunSpecError, match="schedule.warmup_steps must be an integer >= 0"):
+            RunSpec.from_dict({**ten.to_dict(), "schedule": {"warmup_steps": bad}})
+
+
+def test_a_run_recorded_before_the_warmup_default_reruns_and_extends_unchanged(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    overrides = _workdir(tmp_path, tiny_data)
+    assert load_run_config(None, overrides).inner.warmup_steps is None  # the default config
+    run_json = tmp_path / "results" / "run.json"
+    record = json.loads(run_json.read_text())
+    record["spec"]["schedule"]["warmup_steps"] = 10  # what the default config gave before
+    run_json.write_text(json.dumps(record))
+    _check(overrides)  # the config leaves the warmup unset: the run's own (10)
+    _check({**overrides, "rounds": 10})
+    with pytest.raises(ConfigError, match="schedule.warmup_steps: 10 -> 20"):
+        _check({**overrides, "inner": {"warmup_steps": 20}})
 
 
 def test_a_run_recorded_before_outer_presets_reruns_unchanged(

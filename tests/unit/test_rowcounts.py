@@ -17,7 +17,7 @@ from bench import soak_check
 from crossfed import rowcounts
 from crossfed.coordinator import generations
 from crossfed.coordinator.generations import merge_step
-from crossfed.coordinator.runspec import RunSpec, RunSpecError, resolve_outer
+from crossfed.coordinator.runspec import RunSpec, RunSpecError, resolve_unset
 from crossfed.coordinator.service import Coordinator
 from crossfed.outer import OuterConfig, outer_step, stream_outer_step
 from crossfed.wire.codecs import open_delta, save_delta
@@ -217,16 +217,16 @@ def test_a_coordinator_merge_weights_the_embedding_rows_by_the_counts_its_deltas
 def test_a_new_run_weights_rows_by_counts_a_run_keeps_its_own_and_one_stored_before_shares(
     tiny_data: Path,
 ) -> None:
-    new = resolve_outer(tiny_spec(tiny_data, embedding_rows=None), None)
+    new = resolve_unset(tiny_spec(tiny_data, embedding_rows=None), None)
     assert new.embedding_rows == rowcounts.COUNTS == rowcounts.DEFAULT_MODE
-    by_shares = resolve_outer(tiny_spec(tiny_data, embedding_rows="shares"), None)
-    kept = resolve_outer(tiny_spec(tiny_data, embedding_rows=None), by_shares)
+    by_shares = resolve_unset(tiny_spec(tiny_data, embedding_rows="shares"), None)
+    kept = resolve_unset(tiny_spec(tiny_data, embedding_rows=None), by_shares)
     assert kept.embedding_rows == rowcounts.SHARES  # a rerun that leaves it unset
     stored = new.to_dict()
     del stored["embedding_rows"]  # a run stored before the setting existed
     old = RunSpec.from_dict(stored)
     assert old.embedding_rows == rowcounts.SHARES
-    rerun = resolve_outer(tiny_spec(tiny_data, embedding_rows=None), old)  # left unset
+    rerun = resolve_unset(tiny_spec(tiny_data, embedding_rows=None), old)  # left unset
     assert rerun.embedding_rows == rowcounts.SHARES
     with pytest.raises(RunSpecError, match="embedding_rows must be one of counts, shares"):
         RunSpec.from_dict({**new.to_dict(), "embedding_rows": "rows"})
