@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from crossfed.darl.ledger import COMMITTED_TABLE, EVENTS_TABLE
+from crossfed.train.schedule import default_warmup_steps
 from tests.helpers.workflow import checkout, doc_section, workdir
 
 pytestmark = pytest.mark.slow
@@ -123,6 +124,10 @@ def test_extend_change_and_mistype_a_finished_run(tmp_path: Path) -> None:
         spec = json.loads(conn.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()[0])
     config = yaml.safe_load((clone / "config" / "config.yaml").read_text())
     assert spec["schedule"]["total_steps"] == 2 * config["inner"]["steps"]
+    assert config["inner"]["warmup_steps"] is None  # the default: the run's, fixed at its start
+    assert spec["schedule"]["warmup_steps"] == default_warmup_steps(config["inner"]["steps"])
+    recorded = json.loads((results / "run.json").read_text())["spec"]["schedule"]
+    assert recorded["warmup_steps"] == spec["schedule"]["warmup_steps"]
     final = json.loads((results / "metrics" / "final.json").read_text())
     assert final["rounds"] == 2
     merge2 = json.loads((results / "rounds" / "2" / "merge.json").read_text())

@@ -241,7 +241,7 @@ def run_edits(root: Path, account: str) -> None:
         s["sites"] = run_sites
 
     def run(c: dict) -> None:
-        small_run(c, ROUNDS, steps=4, warmup_steps=1, max_windows=32, join_window_s=2)
+        small_run(c, ROUNDS, steps=4, max_windows=32, join_window_s=2)
 
     edit_yaml(root / "profiles" / "slurm" / "sites.yaml", sites)
     edit_yaml(root / "config" / "config.yaml", run)

@@ -84,7 +84,7 @@ def user_edits(site: Path, cluster: SlurmTestCluster, url: str, image: Path) -> 
         s["sites"] = {"lumi": lumi}
 
     def run(c: dict) -> None:
-        small_run(c, 2, steps=4, warmup_steps=1, max_windows=32, join_window_s=2)
+        small_run(c, 2, steps=4, max_windows=32, join_window_s=2)
 
     edit_yaml(site / "profiles" / "lumi" / "config.yaml", profile)
     edit_yaml(site / "profiles" / "lumi" / "crossfed.yaml", overlay)

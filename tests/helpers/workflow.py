@@ -46,15 +46,15 @@ def small_run(
     rounds: int,
     *,
     steps: int = 6,
-    warmup_steps: int = 2,
     max_windows: int = 64,
     join_window_s: float = 8,
 ) -> None:
     """Make ``config`` (config/config.yaml's settings) a small run in place: ``rounds``
-    short rounds of ``steps`` inner steps over tiny windows, short lease TTLs."""
+    short rounds of ``steps`` inner steps over tiny windows, short lease TTLs. The warmup
+    stays the config's default (a tenth of a new run's steps, decided by the coordinator)."""
     config.update(rounds=rounds)
     config["data"].update(vocab_size=512, seq_len=32, block_size=4)
-    config["inner"].update(steps=steps, warmup_steps=warmup_steps)
+    config["inner"].update(steps=steps)
     config["eval"].update(max_windows=max_windows)
     config["round_policy"].update(join_window_s=join_window_s)
     config["darl"].update(min_ttl_s=4, initial_ttl_s=8, heartbeat_s=0.5)
