@@ -34,6 +34,7 @@ from crossfed.coordinator.service import Coordinator
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.prepare import prepare
 from crossfed.data.windows import read_meta
+from crossfed.site.control import EARLY_ASK_THREAD, HEARTBEAT_THREAD
 from crossfed.wire.codecs import save_delta
 
 # Hypothesis's per-example deadline (200 ms) is a timing assertion: on a loaded machine an
@@ -170,7 +171,7 @@ class SpareCoordinators:
 
 
 #: threads a site's Control starts: a lease's heartbeat and the next round's early lease
-SITE_THREADS = ("heartbeat-", "early-")
+SITE_THREADS = (HEARTBEAT_THREAD, EARLY_ASK_THREAD)
 #: a stopped heartbeat ends within its beat's try (3 s on loopback); a thread alive this long
 #: after its test was never stopped
 SITE_THREAD_GRACE_S = 10.0

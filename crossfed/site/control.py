@@ -27,6 +27,9 @@ from crossfed.wire.digests import digest_file
 log = logging.getLogger("crossfed.site")
 #: how long an early lease asked before the round before it opened waits for that round
 OPEN_WAIT_S = 20.0
+#: the names of the threads a site's Control starts begin with these: a lease's heartbeat,
+#: and the next round's early lease
+HEARTBEAT_THREAD, EARLY_ASK_THREAD = "heartbeat-", "early-"
 
 
 class RoundClosed(Exception):
@@ -59,7 +62,9 @@ class Heartbeat:
         self.t_step_s: float | None = None
         self.lost: str | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{site}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{HEARTBEAT_THREAD}{site}", daemon=True
+        )
 
     def __enter__(self) -> Heartbeat:
         if not self._thread.is_alive() and not self._stop.is_set():  # once: a beat started
@@ -125,7 +130,10 @@ class EarlyAsk:
         self.error: BaseException | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(want, rtt), name=f"early-{control.site}", daemon=True
+            target=self._run,
+            args=(want, rtt),
+            name=f"{EARLY_ASK_THREAD}{control.site}",
+            daemon=True,
         )
         self._thread.start()
 
