@@ -14,7 +14,6 @@ import os
 import re
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -281,8 +280,7 @@ def _warn_schedule(status: dict[str, Any], spec: Any) -> None:
 def cmd_run_init(args: argparse.Namespace) -> int:
     from crossfed.client.http import Refused
     from crossfed.client.reach import client_for
-    from crossfed.coordinator.runspec import run_spec
-    from crossfed.outer import OuterConfig
+    from crossfed.coordinator.runspec import RunSpec, run_spec
 
     config = run_config(args)
     client = client_for(config, "admin")
@@ -314,11 +312,8 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     )
     if args.model_out:  # the initial model, for the round-0 evaluation
         _secure_model(config, client, 0, Path(args.model_out))
-    if reply.get("outer"):  # the outer step the coordinator runs (an unset preset resolved)
-        spec = replace(spec, outer=OuterConfig(**reply["outer"]))
-    warmup = (reply.get("schedule") or {}).get("warmup_steps")
-    if spec.schedule.warmup_steps is None and warmup is not None:  # the run's, resolved
-        spec = replace(spec, schedule=replace(spec.schedule, warmup_steps=warmup))
+    if reply.get("spec"):  # the run as the coordinator stores it, every unset setting decided
+        spec = RunSpec.from_dict(reply["spec"])
     if args.out or not args.resume_only:  # the workflow's hook wants the one-line summary
         write_json(args.out, {"spec": spec.to_dict(), **reply})
     return 0

@@ -43,6 +43,7 @@ class Views(Core):
                 "inner_schedule": spec.inner_schedule(),
                 "schedule": spec.to_dict()["schedule"],
                 "outer": spec.to_dict()["outer"],
+                "spec": spec.to_dict(),  # the run as stored: every unset setting decided
                 "active_leases": [self._lease_view(lease) for lease in self.book.active_leases()],
             }
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from crossfed.sched import cli as sched_cli
 from crossfed.sched.commands import build_parser as sched_parser
 from crossfed.site.loop import chain_continues
 from crossfed.train.schedule import LRSchedule, default_warmup_steps
-from tests.conftest import digest_of, staged_delta, tiny_spec
+from tests.conftest import LiveCoordinator, digest_of, staged_delta, tiny_spec
+from tests.unit.test_security import cli_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -170,6 +173,46 @@ def test_a_run_recorded_before_outer_presets_reruns_unchanged(
     _check({**overrides, "rounds": 10})
     with pytest.raises(ConfigError, match="outer.preset: 'paper' -> 'tuned'"):
         _check({**overrides, "outer": {"preset": "tuned"}})
+
+
+def test_run_json_records_the_run_as_the_coordinator_decided_it(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """`crossfed run init` records the coordinator's run, every setting the config left
+    unset decided, so a config that later spells out the run's own values goes on and one
+    that changes them is refused naming the run's value."""
+    config = cli_config(coordinator, tiny_data, tmp_path)  # config.yaml's unset defaults
+    run_json = tmp_path / "results" / "run.json"
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "crossfed"), "run", "init", "--config", str(config),
+         "--out", str(run_json)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads(run_json.read_text())["spec"]
+    assert recorded == coordinator.client().status()["spec"]
+    warmup = default_warmup_steps(recorded["schedule"]["total_steps"])
+    decided = {"second_moment": "shared", "embedding_rows": "counts", "preset": "average"}
+    assert {key: recorded.get(key, recorded["outer"].get(key)) for key in decided} == decided
+    assert recorded["schedule"]["warmup_steps"] == warmup
+
+    conf = yaml.safe_load(config.read_text())
+    conf["data"].update(_data_settings(tiny_data))  # as prepared, so only the run is compared
+
+    def check(inner: dict, outer: dict) -> None:
+        data = {**conf, "inner": {**conf["inner"], **inner}, "outer": {**conf["outer"], **outer}}
+        written = config.with_name("rerun.yaml")
+        written.write_text(yaml.safe_dump(data))
+        checked = load_run_config(written)
+        check_rerun(checked, load_sites(checked))
+
+    check({}, {})  # the same config: the run's own settings
+    check({"second_moment": "shared", "warmup_steps": warmup},
+          {"preset": "average", "embedding_rows": "counts"})  # fmt: skip
+    with pytest.raises(ConfigError, match="second_moment: 'shared' -> 'own'"):
+        check({"second_moment": "own"}, {})
+    with pytest.raises(ConfigError, match="embedding_rows: 'counts' -> 'shares'"):
+        check({}, {"embedding_rows": "shares"})
 
 
 def _workdir(tmp_path: Path, data_dir: Path) -> dict:
