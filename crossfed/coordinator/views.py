@@ -29,6 +29,7 @@ class Views(Core):
             spec = self._require_run()
             assert self.book is not None and self.space is not None
             current = self.current_round()
+            stored = spec.to_dict()  # the run as stored: every unset setting decided
             return {
                 "round": current["round_no"],
                 "generation": current["generation"],
@@ -41,9 +42,9 @@ class Views(Core):
                 "model": self._model_view(current["generation"]),
                 "inner_steps": spec.round_steps(current["round_no"]),
                 "inner_schedule": spec.inner_schedule(),
-                "schedule": spec.to_dict()["schedule"],
-                "outer": spec.to_dict()["outer"],
-                "spec": spec.to_dict(),  # the run as stored: every unset setting decided
+                "schedule": stored["schedule"],
+                "outer": stored["outer"],
+                "spec": stored,
                 "active_leases": [self._lease_view(lease) for lease in self.book.active_leases()],
             }
 
