@@ -280,7 +280,7 @@ def _warn_schedule(status: dict[str, Any], spec: Any) -> None:
 def cmd_run_init(args: argparse.Namespace) -> int:
     from crossfed.client.http import Refused
     from crossfed.client.reach import client_for
-    from crossfed.coordinator.runspec import RunSpec, run_spec
+    from crossfed.coordinator.runspec import run_spec
 
     config = run_config(args)
     client = client_for(config, "admin")
@@ -312,9 +312,9 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     )
     if args.model_out:  # the initial model, for the round-0 evaluation
         _secure_model(config, client, 0, Path(args.model_out))
-    if reply.get("spec"):  # the run as the coordinator stores it, every unset setting decided
-        spec = RunSpec.from_dict(reply["spec"])
     if args.out or not args.resume_only:  # the workflow's hook wants the one-line summary
+        # the reply's spec (the run as the coordinator stores it, every unset setting
+        # decided) wins over this config's; a coordinator without one leaves the config's
         write_json(args.out, {"spec": spec.to_dict(), **reply})
     return 0
 
