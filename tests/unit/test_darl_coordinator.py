@@ -279,8 +279,11 @@ def test_a_round_every_site_delivered_to_closes_without_waiting_out_its_join_win
 
 # ------------------------------------------------------------------ forged and replayed
 def test_forged_and_replayed_commits_are_refused_and_change_nothing(
-    darl: LiveCoordinator, tiny_data: Path, tmp_path: Path
+    darl_long_leases: LiveCoordinator, tiny_data: Path, tmp_path: Path
 ) -> None:
+    # leases of 60 s: no TTL runs out between the state compared before and after each
+    # refusal however busy the machine (with ``darl``'s, one did at four pytest workers)
+    darl = darl_long_leases
     g0 = global_model(darl, 0, tmp_path)
     join(darl, "snellius", tiny_data)
     join(darl, "lumi", tiny_data)
