@@ -124,28 +124,36 @@ def upload_under(site: CoordinatorClient, key: str, path: Path) -> httpx.Respons
 def test_a_round_goes_through_the_store_and_not_through_the_coordinator(
     s3_run: LiveCoordinator, weed: SeaweedFS, tiny_data: Path, tmp_path: Path
 ) -> None:
-    """Two sites' deltas go up in parts to presigned URLs, are merged from the store and the
+    """Three sites' deltas go up in parts to presigned URLs, are merged from the store and the
     next global model comes down from it; no weight byte crosses the coordinator's API."""
     assert httpx.get(f"{s3_run.url}/v1/health").json()["blobs"] == "s3"
     reference = global_model(s3_run, 0, tmp_path)
     seen: list[httpx.Request] = []
     keys = []
-    leases = {site: join_and_lease(s3_run, site, tiny_data) for site in ["lumi", "snellius"]}
-    for i, (site, lease) in enumerate(leases.items()):
+    # frontier's lease (the long initial TTL) keeps round 1 open while the store is listed:
+    # once every site has delivered, the merge may delete the deltas' objects before a listing
+    sites = ["frontier", "lumi", "snellius"]
+    leases = {site: join_and_lease(s3_run, site, tiny_data) for site in sites}
+
+    def submit(i: int, site: str) -> None:
         path = delta_file(tmp_path, reference, seed=i, name=site)
         keys.append(digest_file(path))
         client = s3_run.client(site, streams=4, blobs="s3")
         client.http.event_hooks["request"] = [seen.append]
-        reply = client.submit_delta(1, path, inline=True, fresh=True, **fields(site, lease))
+        reply = client.submit_delta(1, path, inline=True, fresh=True, **fields(site, leases[site]))
         assert reply["accepted"]
+
+    for i, site in enumerate(sites[1:]):
+        submit(i, site)
+    stored = objects(weed, s3_run)
+    for site, key in zip(sites[1:], keys, strict=True):
+        assert f"blobs/{site}/{key.replace(':', '/')}" in stored
+    submit(2, "frontier")
     # only JSON went to the coordinator: no PUT, no inline body
     assert {r.method for r in seen} <= {"GET", "POST"}
     assert all(len(r.content) < 4096 for r in seen)
-    stored = objects(weed, s3_run)
-    for site, key in zip(["lumi", "snellius"], keys, strict=True):
-        assert f"blobs/{site}/{key.replace(':', '/')}" in stored
     info = wait_round_closed(s3_run, 1)
-    assert sorted(d["site"] for d in info["deltas"]) == ["lumi", "snellius"]
+    assert sorted(d["site"] for d in info["deltas"]) == sites
     # generation 1 is in the store, and what a site downloads is what the coordinator wrote
     assert "models/global-000001.safetensors" in objects(weed, s3_run)
     got = s3_run.client("lumi").download_model(1, tmp_path / "g1.safetensors")
