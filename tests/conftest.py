@@ -25,8 +25,7 @@ from crossfed.client.reach import EndpointError
 from crossfed.coordinator.embedded import (
     ensure_secrets,
     free_port,
-    launch_coordinator,
-    spawn_coordinator,
+    serve_argv,
     wait_until_serving,
 )
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
@@ -36,6 +35,7 @@ from crossfed.data.prepare import prepare
 from crossfed.data.windows import read_meta
 from crossfed.site.control import EARLY_ASK_THREAD, HEARTBEAT_THREAD
 from crossfed.wire.codecs import save_delta
+from tests.helpers.coordinator_forks import ForkedProcess, ForkServer
 
 # Hypothesis's per-example deadline (200 ms) is a timing assertion: on a loaded machine an
 # example that does file or socket work runs past it and the property "fails" for no fault
@@ -84,7 +84,7 @@ class LiveCoordinator:
     url: str
     state_dir: Path
     secrets: dict
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     port: int
 
     def client(self, who: str = "admin", **kwargs) -> CoordinatorClient:
@@ -106,15 +106,32 @@ class LiveCoordinator:
 LEDGER_CHECKPOINT_EVERY = 5
 
 
-def start_process(state_dir: Path, port: int) -> subprocess.Popen:
-    return spawn_coordinator(
+#: the coordinators of the ``coordinator`` fixtures, forked from one process per test process
+#: that has imported crossfed already (tests/helpers/coordinator_forks.py)
+FORKS = ForkServer()
+
+
+def pytest_sessionfinish() -> None:
+    FORKS.close()
+
+
+def launch_process(state_dir: Path, port: int) -> ForkedProcess:
+    """``crossfed coordinator serve`` over ``state_dir`` on ``port``, forked; not waited for."""
+    argv = serve_argv(
         state_dir,
         state_dir / "secrets.yaml",
         "127.0.0.1",
         port,
-        240,
         ledger_checkpoint_every=LEDGER_CHECKPOINT_EVERY,
     )
+    return FORKS.launch(argv, state_dir / "coordinator.log")
+
+
+def start_process(state_dir: Path, port: int) -> ForkedProcess:
+    """``launch_process``, waited for until it serves."""
+    proc = launch_process(state_dir, port)
+    wait_until_serving(proc, state_dir, "127.0.0.1", port, 240)  # type: ignore[arg-type]
+    return proc
 
 
 class SpareCoordinators:
@@ -136,13 +153,7 @@ class SpareCoordinators:
         state_dir.mkdir()
         secrets = ensure_secrets(state_dir / "secrets.yaml", SITES)
         port = free_port("127.0.0.1")
-        proc = launch_coordinator(
-            state_dir,
-            state_dir / "secrets.yaml",
-            "127.0.0.1",
-            port,
-            ledger_checkpoint_every=LEDGER_CHECKPOINT_EVERY,
-        )
+        proc = launch_process(state_dir, port)
         return LiveCoordinator(f"http://127.0.0.1:{port}", state_dir, secrets, proc, port)
 
     def take(self) -> LiveCoordinator:

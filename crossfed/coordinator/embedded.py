@@ -104,7 +104,25 @@ def launch_coordinator(
     """Start ``crossfed coordinator serve`` in its own session; do not wait for it.
     ``blobs``: a YAML file with the run's ``blobs`` section (``--blobs``); ``merge_worker``:
     the URL of a merge worker (``--merge-worker``)."""
-    cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve"]
+    argv = serve_argv(
+        state_dir, secrets_path, host, port, max_request_s, ledger_checkpoint_every, blobs,
+        merge_worker,
+    )  # fmt: skip
+    return _launch([sys.executable, "-m", "crossfed", *argv], state_dir / "coordinator.log")
+
+
+def serve_argv(
+    state_dir: Path,
+    secrets_path: Path,
+    host: str,
+    port: int,
+    max_request_s: float | None = None,
+    ledger_checkpoint_every: int | None = None,
+    blobs: Path | None = None,
+    merge_worker: str | None = None,
+) -> list[str]:
+    """The ``crossfed`` arguments of ``coordinator serve`` with these settings."""
+    cmd = ["coordinator", "serve"]
     cmd += ["--state-dir", str(state_dir), "--secrets", str(secrets_path)]
     cmd += ["--host", host, "--port", str(port)]
     if max_request_s is not None:
@@ -115,7 +133,7 @@ def launch_coordinator(
         cmd += ["--blobs", str(blobs)]
     if merge_worker is not None:
         cmd += ["--merge-worker", merge_worker]
-    return _launch(cmd, state_dir / "coordinator.log")
+    return cmd
 
 
 def spawn_worker(
