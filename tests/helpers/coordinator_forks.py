@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,9 +104,11 @@ class ForkServer:
                 except subprocess.TimeoutExpired:
                     self._server.kill()
             self._server = None
+            shutil.rmtree(self._exits, ignore_errors=True)
 
     def _started(self) -> subprocess.Popen:
         if self._server is None or self._server.poll() is not None:
+            self._exits.mkdir(parents=True, exist_ok=True)
             self._server = subprocess.Popen(
                 [sys.executable, "-m", "tests.helpers.coordinator_forks", str(self._exits)],
                 stdin=subprocess.PIPE,
