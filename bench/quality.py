@@ -1,9 +1,10 @@
 """Benchmark: held-out perplexity of centralised training vs 3-site DiLoCo vs FedAvg vs 1-site
 DiLoCo, at matched tokens, matched optimiser steps and matched combined per-step batch.
 
-All runs train crossfed's tiny Qwen3 on the embedded corpus, in this process, with the inner
-phase the sites run (``crossfed.train.inner``) and the coordinator's outer step
-(``crossfed.outer.outer_step``), no coordinator in between. Every round the data come from a
+All runs train crossfed's tiny Qwen3 (``--flavour small`` for five times its parameters) on
+the embedded corpus, in this process, with the inner phase the sites run
+(``crossfed.train.inner``) and the coordinator's outer step (``crossfed.outer.outer_step``),
+no coordinator in between. Every round the data come from a
 DARL block permutation: site i's step h of round r trains the same windows in every variant,
 and the centralised step trains the three sites' step-h windows together, so every variant
 sees the same windows in the same number of sequential optimiser steps (the paper's control:
@@ -123,7 +124,7 @@ from crossfed.train.inner import (
     make_optimizer,
     run_inner_phase,
 )
-from crossfed.train.model import build_model, load_parameters, parameters_of
+from crossfed.train.model import LOCAL_FLAVOURS, build_model, load_parameters, parameters_of
 from crossfed.train.overlap import RULES, OverlapConfig, fold_in
 from crossfed.train.schedule import LRSchedule, default_warmup_steps
 from crossfed.wire.deltas import delta_of
@@ -233,10 +234,10 @@ class Run:
     """One variant: a global model, per-site inner optimisers, the outer state."""
 
     def __init__(self, name, store, vocab, seed, schedule, outer, sites, inner,
-                 wire: Wire = WORKFLOW_WIRE) -> None:  # fmt: skip
+                 wire: Wire = WORKFLOW_WIRE, flavour: str = "tiny") -> None:  # fmt: skip
         self.name, self.store, self.schedule, self.outer = name, store, schedule, outer
         self.wire = wire
-        self.model = build_model("tiny", vocab_size=vocab, seed=seed)
+        self.model = build_model(flavour, vocab_size=vocab, seed=seed)
         self.master = {k: v.detach().clone().float() for k, v in parameters_of(self.model).items()}
         self.momentum: dict[str, torch.Tensor] = {}
         self.inner = inner
@@ -398,8 +399,9 @@ class OverlapRun(Run):
     """
 
     def __init__(self, name, store, vocab, seed, schedule, outer, sites, inner,
-                 overlap: OverlapConfig, tau: int, wire: Wire = WORKFLOW_WIRE) -> None:  # fmt: skip
-        super().__init__(name, store, vocab, seed, schedule, outer, sites, inner, wire)
+                 overlap: OverlapConfig, tau: int, wire: Wire = WORKFLOW_WIRE,
+                 flavour: str = "tiny") -> None:  # fmt: skip
+        super().__init__(name, store, vocab, seed, schedule, outer, sites, inner, wire, flavour)
         self.overlap, self.tau = overlap, tau
         #: each site's weights when it sent its last delta (None before its first round)
         self.sent: list[dict[str, torch.Tensor] | None] = [None] * sites
@@ -545,30 +547,33 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
     # the combined per-step batch
     wide_cfg = InnerConfig(micro_batch=B, accumulation=S, weight_decay=args.weight_decay)
     fedavg = OuterConfig(eta=1.0, beta=0.0)
-    vocab = store.vocab_size
+    vocab, flavour = store.vocab_size, args.flavour
     runs: dict[str, Run] = {}
     if "centralised" in variants:
-        runs["centralised"] = Run("centralised", store, vocab, seed, schedule, None, 1, wide_cfg)
+        runs["centralised"] = Run("centralised", store, vocab, seed, schedule, None, 1, wide_cfg,
+                                 flavour=flavour)  # fmt: skip
     for label, outer in outers:
         tag = "" if len(outers) == 1 else f" [{label}]"
         if "diloco" in variants:
             runs[f"DiLoCo {S} sites{tag}"] = Run("diloco", store, vocab, seed, schedule, outer,
-                                                 S, site_cfg, wire)  # fmt: skip
+                                                 S, site_cfg, wire, flavour)  # fmt: skip
         if "solo" in variants:
             runs[f"DiLoCo 1 site{tag}"] = Run("solo", store, vocab, seed, schedule, outer, 1,
-                                              wide_cfg, wire)  # fmt: skip
+                                              wide_cfg, wire, flavour)  # fmt: skip
         if "overlap" in variants:
             config, tau = overlap_config(args), overlap_tau(args.overlap_delay, H)
             runs[overlap_name(S, config, tau, tag)] = OverlapRun(
-                "overlap", store, vocab, seed, schedule, outer, S, site_cfg, config, tau, wire
-            )
+                "overlap", store, vocab, seed, schedule, outer, S, site_cfg, config, tau, wire,
+                flavour,
+            )  # fmt: skip
     if "fedavg" in variants:  # the average preset is FedAvg: one run serves both rows
         runs[FEDAVG] = next(
             (r for r in runs.values() if r.name == "diloco" and r.outer.preset == "average"),
             None,
-        ) or Run("fedavg", store, vocab, seed, schedule, fedavg, S, site_cfg, wire)
+        ) or Run("fedavg", store, vocab, seed, schedule, fedavg, S, site_cfg, wire, flavour)
     if "floor" in variants:  # centralised training up to fp32 rounding: the noise floor
-        runs[FLOOR] = Run("floor", store, vocab, seed, schedule, fedavg, 1, wide_cfg, LOSSLESS)
+        runs[FLOOR] = Run("floor", store, vocab, seed, schedule, fedavg, 1, wide_cfg, LOSSLESS,
+                          flavour)  # fmt: skip
     unique = list({id(run): run for run in runs.values()}.values())
     for run in unique:
         run.adam_state, run.adam_every = args.adam_state, args.adam_every
@@ -621,6 +626,9 @@ def train_cell(args, data: Path, seed: int, H: int, outers) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", help="a prepared data directory (default: build one)")
+    parser.add_argument("--flavour", choices=sorted(LOCAL_FLAVOURS), default="tiny",
+                        help="the model: crossfed's CPU flavours (tiny: 1.05 M parameters, "
+                        "small: 5.2 M at the bench's vocabulary)")  # fmt: skip
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--sites", type=int, default=3)
@@ -800,7 +808,7 @@ def main() -> None:
             print(f"| {H} | {rounds_by_h[H]} | {taus[H]} | {m:.4f} ± {sd:.4f} |")
     result = {
         "benchmark": "quality",
-        "model": "tiny",
+        "model": args.flavour,
         "sites": S,
         "batch_per_site": B,
         "block_size": args.block_size,

@@ -281,3 +281,19 @@ def test_combined_denominator_of_one_site_is_adamw_and_of_three_steps_further() 
     moved_three = sum((p - s).norm() for p, s in zip(three_model.parameters(), start, strict=True))
     assert moved_three > 1.2 * moved_one
     assert set(three_opt.state[next(three_model.parameters())]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("flavour, dim, layers", [("tiny", 128, 4), ("small", 256, 6)])
+def test_every_row_trains_the_flavour_it_is_given(
+    tiny_data: Path, flavour: str, dim: int, layers: int
+) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    schedule = LRSchedule(peak_lr=3e-3, warmup_steps=1, total_steps=H)
+    cfg, vocab = InnerConfig(micro_batch=BATCH), store.vocab_size
+    plain = Run("diloco", store, vocab, 0, schedule, PRESETS["average"], SITES, cfg,
+                flavour=flavour)  # fmt: skip
+    overlapped = OverlapRun("overlap", store, vocab, 0, schedule, PRESETS["average"], SITES, cfg,
+                            OverlapConfig(enabled=True), 1, flavour=flavour)  # fmt: skip
+    for run in (plain, overlapped):
+        assert run.master["tok_embeddings.weight"].shape == (vocab, dim)
+        assert len(run.model.layers) == layers
