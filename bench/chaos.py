@@ -73,6 +73,7 @@ sys.path.insert(0, str(REPO))
 
 from crossfed.client.http import CoordinatorClient, Refused, Unreachable  # noqa: E402
 from crossfed.coordinator.embedded import (  # noqa: E402
+    ServeCommand,
     ensure_secrets,
     free_port,
     wait_until_serving,
@@ -239,10 +240,9 @@ def spawn_coordinator(
 ) -> subprocess.Popen:
     """``crossfed coordinator serve`` (with ``args``, in ``env`` over ours) in its own
     session, appending to coordinator.log."""
-    cmd = [sys.executable, "-m", "crossfed", "coordinator", "serve", "--state-dir"]
-    cmd += [str(state_dir), "--secrets", str(state_dir / "secrets.yaml"), "--port", str(port)]
-    cmd += args
-    with open(state_dir / "coordinator.log", "ab") as log:
+    command = ServeCommand(state_dir, state_dir / "secrets.yaml", HOST, port)
+    cmd = [sys.executable, "-m", "crossfed", *command.argv(), *args]
+    with open(command.log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd,
             stdout=log,

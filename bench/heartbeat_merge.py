@@ -37,7 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge import FLAVOURS, VOCAB, write_inputs  # noqa: E402
 
 from crossfed.client.http import CoordinatorClient  # noqa: E402
-from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator  # noqa: E402
+from crossfed.coordinator.embedded import (  # noqa: E402
+    ServeCommand,
+    ensure_secrets,
+    free_port,
+    spawn_coordinator,
+)
 from crossfed.coordinator.generations import read_shapes  # noqa: E402
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec  # noqa: E402
 from crossfed.coordinator.service import MERGE_HOLDS_LOCK_ENV  # noqa: E402
@@ -175,7 +180,7 @@ def main() -> None:
         secrets = ensure_secrets(state / "secrets.yaml", [*SENDERS, WATCHER])
         os.environ.pop(MERGE_HOLDS_LOCK_ENV, None)
         port = free_port(HOST)
-        process = spawn_coordinator(state, state / "secrets.yaml", HOST, port, timeout_s=240)
+        process = spawn_coordinator(ServeCommand(state, state / "secrets.yaml", HOST, port), 240)
         url = f"http://{HOST}:{port}"
 
         def client(who: str) -> CoordinatorClient:
@@ -214,9 +219,8 @@ def main() -> None:
                     process.terminate()
                     process.wait(timeout=60)
                     os.environ[MERGE_HOLDS_LOCK_ENV] = "1"
-                    process = spawn_coordinator(
-                        state, state / "secrets.yaml", HOST, port, timeout_s=240
-                    )
+                    command = ServeCommand(state, state / "secrets.yaml", HOST, port)
+                    process = spawn_coordinator(command, 240)
                     beats.paused.clear()
                 since = time.time()
                 submitted = one_round(

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from crossfed.client.http import CoordinatorClient
-from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
+from crossfed.coordinator.embedded import ServeCommand, ensure_secrets, free_port, spawn_coordinator
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.wire.digests import sha256_file
@@ -86,7 +86,7 @@ def start_run(work: Path, n_sites: int, n_blocks: int) -> LiveRun:
     state.mkdir(parents=True)
     secrets = ensure_secrets(state / "secrets.yaml", sites)
     port = free_port(HOST)
-    process = spawn_coordinator(state, state / "secrets.yaml", HOST, port, timeout_s=240)
+    process = spawn_coordinator(ServeCommand(state, state / "secrets.yaml", HOST, port), 240)
     url = f"http://{HOST}:{port}"
     admin = CoordinatorClient(url, secrets["admin"])
     spec = bench_spec(sites, n_blocks)

@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO))
 from crossfed import moments  # noqa: E402
 from crossfed.client.http import CoordinatorClient  # noqa: E402
 from crossfed.coordinator.embedded import (  # noqa: E402
+    ServeCommand,
     ensure_secrets,
     free_port,
     spawn_coordinator,
@@ -156,10 +157,9 @@ def one_round(
             state / "worker", state / "secrets.yaml", beside, "127.0.0.1", timeout_s=120
         )
     port = free_port("127.0.0.1")
-    proc = spawn_coordinator(
-        state, state / "secrets.yaml", "127.0.0.1", port, 600, blobs=blobs,
-        merge_worker=worker_url,
-    )  # fmt: skip
+    command = ServeCommand(state, state / "secrets.yaml", "127.0.0.1", port, blobs=blobs,
+                           merge_worker=worker_url)  # fmt: skip
+    proc = spawn_coordinator(command, 600)
     url = f"http://127.0.0.1:{port}"
     try:
         admin = CoordinatorClient(url, secrets["admin"], timeout_s=600, blobs=backend)

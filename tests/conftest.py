@@ -23,9 +23,9 @@ from crossfed import moments, rowcounts
 from crossfed.client.http import CoordinatorClient
 from crossfed.client.reach import EndpointError
 from crossfed.coordinator.embedded import (
+    ServeCommand,
     ensure_secrets,
     free_port,
-    serve_argv,
     wait_until_serving,
 )
 from crossfed.coordinator.runspec import LeasePolicy, RoundPolicy, RunSpec
@@ -117,20 +117,20 @@ def pytest_sessionfinish() -> None:
 
 def launch_process(state_dir: Path, port: int) -> ForkedProcess:
     """``crossfed coordinator serve`` over ``state_dir`` on ``port``, forked; not waited for."""
-    argv = serve_argv(
+    command = ServeCommand(
         state_dir,
         state_dir / "secrets.yaml",
         "127.0.0.1",
         port,
         ledger_checkpoint_every=LEDGER_CHECKPOINT_EVERY,
     )
-    return FORKS.launch(argv, state_dir / "coordinator.log")
+    return FORKS.launch(command.argv(), command.log_path)
 
 
 def start_process(state_dir: Path, port: int) -> ForkedProcess:
     """``launch_process``, waited for until it serves."""
     proc = launch_process(state_dir, port)
-    wait_until_serving(proc, state_dir, "127.0.0.1", port, 240)  # type: ignore[arg-type]
+    wait_until_serving(proc, state_dir, "127.0.0.1", port, 240)
     return proc
 
 

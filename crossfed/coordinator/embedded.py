@@ -12,8 +12,9 @@ import socket
 import ssl
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import yaml
@@ -65,75 +66,51 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def spawn_coordinator(
-    state_dir: Path,
-    secrets_path: Path,
-    host: str,
-    port: int,
-    timeout_s: float = 60.0,
-    max_request_s: float | None = None,
-    ledger_checkpoint_every: int | None = None,
-    blobs: Path | None = None,
-    merge_worker: str | None = None,
-) -> subprocess.Popen:
-    """Start ``crossfed coordinator serve`` in its own session and wait until it answers."""
-    proc = launch_coordinator(
-        state_dir,
-        secrets_path,
-        host,
-        port,
-        max_request_s,
-        ledger_checkpoint_every,
-        blobs,
-        merge_worker,
-    )
-    wait_until_serving(proc, state_dir, host, port, timeout_s)
-    return proc
-
-
-def launch_coordinator(
-    state_dir: Path,
-    secrets_path: Path,
-    host: str,
-    port: int,
-    max_request_s: float | None = None,
-    ledger_checkpoint_every: int | None = None,
-    blobs: Path | None = None,
-    merge_worker: str | None = None,
-) -> subprocess.Popen:
-    """Start ``crossfed coordinator serve`` in its own session; do not wait for it.
+@dataclass(frozen=True)
+class ServeCommand:
+    """``crossfed coordinator serve`` over ``state_dir`` on ``host:port``, with its settings.
     ``blobs``: a YAML file with the run's ``blobs`` section (``--blobs``); ``merge_worker``:
     the URL of a merge worker (``--merge-worker``)."""
-    argv = serve_argv(
-        state_dir, secrets_path, host, port, max_request_s, ledger_checkpoint_every, blobs,
-        merge_worker,
-    )  # fmt: skip
-    return _launch([sys.executable, "-m", "crossfed", *argv], state_dir / "coordinator.log")
+
+    state_dir: Path
+    secrets: Path
+    host: str
+    port: int
+    max_request_s: float | None = None
+    ledger_checkpoint_every: int | None = None
+    blobs: Path | None = None
+    merge_worker: str | None = None
+
+    @property
+    def log_path(self) -> Path:
+        """Where the coordinator's output goes."""
+        return self.state_dir / "coordinator.log"
+
+    def argv(self) -> list[str]:
+        """The ``crossfed`` arguments that start it."""
+        cmd = ["coordinator", "serve", "--state-dir", str(self.state_dir)]
+        cmd += ["--secrets", str(self.secrets), "--host", self.host, "--port", str(self.port)]
+        options = {
+            "--max-request-s": self.max_request_s,
+            "--ledger-checkpoint-every": self.ledger_checkpoint_every,
+            "--blobs": self.blobs,
+            "--merge-worker": self.merge_worker,
+        }
+        for flag, value in options.items():
+            if value is not None:
+                cmd += [flag, str(value)]
+        return cmd
+
+    def launch(self) -> subprocess.Popen:
+        """Start it as ``python -m crossfed`` in its own session; do not wait for it."""
+        return _launch([sys.executable, "-m", "crossfed", *self.argv()], self.log_path)
 
 
-def serve_argv(
-    state_dir: Path,
-    secrets_path: Path,
-    host: str,
-    port: int,
-    max_request_s: float | None = None,
-    ledger_checkpoint_every: int | None = None,
-    blobs: Path | None = None,
-    merge_worker: str | None = None,
-) -> list[str]:
-    """The ``crossfed`` arguments of ``coordinator serve`` with these settings."""
-    cmd = ["coordinator", "serve"]
-    cmd += ["--state-dir", str(state_dir), "--secrets", str(secrets_path)]
-    cmd += ["--host", host, "--port", str(port)]
-    if max_request_s is not None:
-        cmd += ["--max-request-s", str(max_request_s)]
-    if ledger_checkpoint_every is not None:
-        cmd += ["--ledger-checkpoint-every", str(ledger_checkpoint_every)]
-    if blobs is not None:
-        cmd += ["--blobs", str(blobs)]
-    if merge_worker is not None:
-        cmd += ["--merge-worker", merge_worker]
-    return cmd
+def spawn_coordinator(command: ServeCommand, timeout_s: float = 60.0) -> subprocess.Popen:
+    """Start ``command`` in its own session and wait until it answers."""
+    proc = command.launch()
+    wait_until_serving(proc, command.state_dir, command.host, command.port, timeout_s)
+    return proc
 
 
 def spawn_worker(
@@ -168,8 +145,22 @@ def _launch(cmd: list[str], log_path: Path) -> subprocess.Popen:
         )
 
 
+class ServerProcess(Protocol):
+    """What :func:`wait_until_serving` uses of a started server (``subprocess.Popen`` has it)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+
 def wait_until_serving(
-    proc: subprocess.Popen,
+    proc: ServerProcess,
     state_dir: Path,
     host: str,
     port: int,
@@ -225,16 +216,10 @@ def start_embedded(config: RunConfig, sites: list[str], timeout_s: float = 120.0
         if config.blobs.s3.merge_worker == EMBEDDED_WORKER:
             worker, worker_url = spawn_worker(state_dir / WORKER_DIR, secrets_path, blobs, host)
     try:
-        proc = spawn_coordinator(
-            state_dir,
-            secrets_path,
-            host,
-            port,
-            timeout_s,
-            max_request_s,
-            blobs=blobs,
-            merge_worker=worker_url,
+        command = ServeCommand(
+            state_dir, secrets_path, host, port, max_request_s, blobs=blobs, merge_worker=worker_url
         )
+        proc = spawn_coordinator(command, timeout_s)
     except BaseException:
         if worker is not None:
             _stop(worker.pid, 20.0)

@@ -17,7 +17,7 @@ import yaml
 import crossfed
 from crossfed.cli import build_parser, main
 from crossfed.client.http import CoordinatorClient, Refused
-from crossfed.coordinator.embedded import free_port, spawn_coordinator
+from crossfed.coordinator.embedded import ServeCommand, free_port, spawn_coordinator
 from tests.conftest import REPO, stop, write_yaml
 
 
@@ -111,6 +111,24 @@ def test_the_installed_command_bare_and_its_version() -> None:
 
 
 # ---------------------------------------------------------------------- coordinator secrets
+def test_a_serve_command_gives_the_cli_every_setting_and_leaves_unset_ones_to_its_defaults(
+    tmp_path: Path,
+) -> None:
+    full = ServeCommand(tmp_path / "state", tmp_path / "s.yaml", "0.0.0.0", 9001, 2.5, 7,
+                        tmp_path / "blobs.yaml", "http://worker:8471")  # fmt: skip
+    args = build_parser().parse_args(full.argv())
+    assert (args.state_dir, args.secrets) == (str(tmp_path / "state"), str(tmp_path / "s.yaml"))
+    assert (args.host, args.port, args.max_request_s) == ("0.0.0.0", 9001, 2.5)
+    assert (args.ledger_checkpoint_every, args.blobs) == (7, str(tmp_path / "blobs.yaml"))
+    assert args.merge_worker == "http://worker:8471"
+    assert full.log_path == tmp_path / "state" / "coordinator.log"
+    bare = build_parser().parse_args(ServeCommand(tmp_path, tmp_path / "s.yaml", "h", 1).argv())
+    required = ["--state-dir", str(tmp_path), "--secrets", "s.yaml"]
+    defaults = build_parser().parse_args(["coordinator", "serve", *required])
+    for unset in ("max_request_s", "ledger_checkpoint_every", "blobs", "merge_worker"):
+        assert getattr(bare, unset) == getattr(defaults, unset)
+
+
 def test_secrets_are_written_private_and_a_coordinator_serves_them(tmp_path: Path) -> None:
     path = tmp_path / "vm" / "secrets.yaml"
     argv = ["coordinator", "secrets", "--out", str(path), "--site", "snellius", "--site", "lumi"]
@@ -124,7 +142,7 @@ def test_secrets_are_written_private_and_a_coordinator_serves_them(tmp_path: Pat
     port = free_port("127.0.0.1")
     state = tmp_path / "state"
     state.mkdir()
-    process = spawn_coordinator(state, path, "127.0.0.1", port, 240)
+    process = spawn_coordinator(ServeCommand(state, path, "127.0.0.1", port), 240)
     try:
         url = f"http://127.0.0.1:{port}"
         for token in tokens:  # each token is known: the answer is about the run, not the caller

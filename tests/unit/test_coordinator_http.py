@@ -21,7 +21,7 @@ from crossfed.client.http import (
     beat_try_s,
 )
 from crossfed.client.reach import EndpointError
-from crossfed.coordinator.embedded import ensure_secrets, launch_coordinator, wait_until_serving
+from crossfed.coordinator.embedded import ServeCommand, ensure_secrets, wait_until_serving
 from crossfed.darl.ledger import COMMITTED_TABLE, META_TABLE
 from crossfed.site.control import Heartbeat
 from crossfed.testing.wan_emulator import EmulatorProcess, Link
@@ -129,7 +129,7 @@ def test_waiting_for_a_coordinator_does_not_take_another_one_on_its_port(
     state = tmp_path / "second"
     state.mkdir()
     ensure_secrets(state / "secrets.yaml", SITES)
-    second = launch_coordinator(state, state / "secrets.yaml", "127.0.0.1", coordinator.port)
+    second = ServeCommand(state, state / "secrets.yaml", "127.0.0.1", coordinator.port).launch()
     try:
         with pytest.raises(EndpointError, match="exited"):
             wait_until_serving(second, state, "127.0.0.1", coordinator.port, 240)

@@ -15,7 +15,13 @@ import httpx
 import pytest
 import yaml
 
-from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator, spawn_worker
+from crossfed.coordinator.embedded import (
+    ServeCommand,
+    ensure_secrets,
+    free_port,
+    spawn_coordinator,
+    spawn_worker,
+)
 from crossfed.coordinator.merger import LocalMerger, RemoteMerger, WorkerError
 from crossfed.coordinator.runspec import RunSpec
 from crossfed.outer import OuterConfig
@@ -60,10 +66,9 @@ class WorkerRun:
             self.worker_dir, self.secrets_path, self.blobs, "127.0.0.1"
         )
         port = free_port("127.0.0.1")
-        proc = spawn_coordinator(
-            state, self.secrets_path, "127.0.0.1", port, 240, blobs=self.blobs,
-            merge_worker=self.worker_url,
-        )  # fmt: skip
+        command = ServeCommand(state, self.secrets_path, "127.0.0.1", port, blobs=self.blobs,
+                               merge_worker=self.worker_url)  # fmt: skip
+        proc = spawn_coordinator(command, 240)
         self.live = LiveCoordinator(f"http://127.0.0.1:{port}", state, secrets, proc, port)
 
     def restart_worker(self) -> None:

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from crossfed.client.http import CoordinatorClient, Refused
 from crossfed.coordinator import objectstore
 from crossfed.coordinator import store as state_db
-from crossfed.coordinator.embedded import ensure_secrets, free_port, spawn_coordinator
+from crossfed.coordinator.embedded import ServeCommand, ensure_secrets, free_port, spawn_coordinator
 from crossfed.coordinator.generations import model_file_bytes, write_generation
 from crossfed.coordinator.merger import LocalMerger
 from crossfed.coordinator.objectstore import (
@@ -65,9 +65,9 @@ def s3_coordinator(weed: SeaweedFS, state: Path, **s3: object) -> LiveCoordinato
     blobs["s3"].update({"part_bytes": PART, **s3})
     (state / "blobs.yaml").write_text(yaml.safe_dump({"blobs": blobs}))
     port = free_port("127.0.0.1")
-    proc = spawn_coordinator(
-        state, state / "secrets.yaml", "127.0.0.1", port, 240, blobs=state / "blobs.yaml"
-    )
+    blobs_path = state / "blobs.yaml"
+    command = ServeCommand(state, state / "secrets.yaml", "127.0.0.1", port, blobs=blobs_path)
+    proc = spawn_coordinator(command, 240)
     return LiveCoordinator(f"http://127.0.0.1:{port}", state, secrets, proc, port)
 
 
