@@ -405,6 +405,30 @@ class OverlapRun(Run):
         self.overlap, self.tau = overlap, tau
         #: each site's weights when it sent its last delta (None before its first round)
         self.sent: list[dict[str, torch.Tensor] | None] = [None] * sites
+        #: ``--overlap-eager``: the stale steps start from an estimate of the coming merge
+        self.eager = False
+        #: the global model the round before this one published, and each site's delta of
+        #: the round before its last (what the eager estimate needs)
+        self.before: dict[str, torch.Tensor] | None = None
+        self.previous: dict[str, torch.Tensor] | None = None
+        self.older_delta: list[dict[str, torch.Tensor] | None] = [None] * sites
+        self.last_delta: list[dict[str, torch.Tensor] | None] = [None] * sites
+
+    def eager_start(self, site: int, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Where site ``site`` takes its stale steps from with ``--overlap-eager`` (Kale et
+        al. 2025's eager update, for a fold-in part way through the phase): not its own
+        weights (the published model ``P`` plus its whole delta ``d``) but the coming merge as
+        it can estimate it: ``P + d / S`` for its own share, plus the other sites' share of the
+        last merge, ``(P - P_before) - d_before / S``. Its own weights until it has that."""
+        sent, own, older = self.sent[site], self.last_delta[site], self.older_delta[site]
+        if self.before is None or own is None or older is None:
+            return sent
+        S = len(self.optimizers)
+        return {
+            k: (p.float() + (own[k].float() - older[k].float()) / S
+                + (p.float() - self.before[k].float()))
+            for k, p in merged.items()
+        }  # fmt: skip
 
     def round(self, leases: list[list[int]], steps: int) -> None:
         """Each site: tau steps from its own weights, fold in the master, the rest; merge
@@ -420,6 +444,8 @@ class OverlapRun(Run):
                 load_parameters(self.model, merged)
                 self.adopt_moments(i)
             else:
+                if self.eager and self.previous is not None:
+                    sent = self.eager_start(i, self.previous)
                 load_parameters(self.model, sent)
                 stale = min(self.tau, steps) * self.inner.windows_per_step
                 if stale:
@@ -433,6 +459,8 @@ class OverlapRun(Run):
             tokens.append(state.tokens)
             counted.append(lease[stale:])  # the workflow's PhaseState.counted_from
             self.sent[i] = ended
+            self.older_delta[i], self.last_delta[i] = self.last_delta[i], deltas[-1]
+        self.before, self.previous = self.previous, merged
         self.merge(deltas, tokens, counted)
         self.global_step += steps
         self.train_s += time.perf_counter() - t0
@@ -576,6 +604,8 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
                           flavour)  # fmt: skip
     unique = list({id(run): run for run in runs.values()}.values())
     for run in unique:
+        if isinstance(run, OverlapRun):
+            run.eager = args.overlap_eager
         run.adam_state, run.adam_every = args.adam_state, args.adam_every
         run.embedding_rows = args.embedding_rows
         if args.combined_denominator and len(run.optimizers) > 1:
@@ -662,6 +692,10 @@ def main() -> None:
                         help="how the overlap row folds in the merged model")  # fmt: skip
     parser.add_argument("--overlap-alpha", type=float, default=0.5,
                         help="the site's weight in the mix rule (Streaming DiLoCo)")  # fmt: skip
+    parser.add_argument("--overlap-eager", action="store_true",
+                        help="with rebase: the stale steps start from the site's estimate of "
+                        "the coming merge (its own delta's share plus the other sites' share "
+                        "of the last merge), not from its own weights")  # fmt: skip
     parser.add_argument("--global-dtype", choices=DTYPES, default="bf16",
                         help="the global model sites download (the workflow's: bf16)")  # fmt: skip
     parser.add_argument("--delta-dtype", choices=DTYPES, default="bf16",
@@ -714,6 +748,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.adam_every < 1:
         parser.error(f"--adam-every must be a positive number of merges, got {args.adam_every}")
+    if args.overlap_eager and args.overlap_rule != "rebase":
+        parser.error(f"--overlap-eager rebases the stale steps; --overlap-rule {args.overlap_rule}")
     try:
         args.steps_by_h = regime_steps(args.regime, args.inner_steps, args.steps)
     except ValueError as exc:
@@ -840,6 +876,7 @@ def main() -> None:
             "rule": overlap.rule,
             "alpha": overlap.alpha,
             "delay_fraction": args.overlap_delay,
+            "eager": args.overlap_eager,
             "tau": {str(H): tau for H, tau in taus.items()},
         }
     for key, values in ratios.items():  # mean over seeds and H values

@@ -297,3 +297,28 @@ def test_every_row_trains_the_flavour_it_is_given(
     for run in (plain, overlapped):
         assert run.master["tok_embeddings.weight"].shape == (vocab, dim)
         assert len(run.model.layers) == layers
+
+
+def test_eager_stale_steps_start_from_the_sites_estimate_of_the_coming_merge(
+    tiny_data: Path,
+) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    plan = site_windows(BlockSpace(store.n_windows, 8, seed=5), SITES, BATCH, H, 3)
+    _, overlapped, _ = _runs(tiny_data, OverlapConfig(enabled=True), tau=1)
+    overlapped.eager = True
+    published, deltas = [], []
+    for r, leases in enumerate(plan):
+        published.append({k: v.float() for k, v in overlapped.published().items()})
+        if r == 1:  # no merge before the last one yet: the site's own weights
+            assert all(_same(overlapped.eager_start(i, overlapped.previous), overlapped.sent[i])
+                       for i in range(SITES))  # type: ignore[arg-type]  # fmt: skip
+        if r == 2:
+            for i in range(SITES):
+                start = overlapped.eager_start(i, overlapped.previous)  # type: ignore[arg-type]
+                for k, p in published[1].items():
+                    own = (deltas[1][i][k].float() - deltas[0][i][k].float()) / SITES
+                    expected = p + own + (p - published[0][k])
+                    torch.testing.assert_close(start[k], expected, rtol=0, atol=1e-6)
+                assert not _same(start, overlapped.sent[i])  # type: ignore[arg-type]
+        overlapped.round(leases, H)
+        deltas.append(list(overlapped.last_delta))
