@@ -182,6 +182,21 @@ def progress_lines(progress: dict[str, Any], live: bool) -> list[str]:
     return lines
 
 
+def ledger_line(status: dict[str, Any]) -> str:
+    """Where the model and the data stand, as ``crossfed status`` prints it. Epochs count
+    from 0, so a run that trained its whole first epoch is in epoch 1 with none of its blocks
+    committed yet; the line says how many full epochs came before."""
+    epoch = status["epoch"]
+    line = (
+        f"generation {status['generation']}  global step {status['global_step']}  epoch "
+        f"{epoch} (counted from 0): {status['blocks_committed_in_epoch']}/"
+        f"{status['blocks_total']} blocks committed"
+    )
+    if epoch:
+        line += f"; {epoch} full epoch{'s' if epoch > 1 else ''} before it"
+    return line
+
+
 def site_prefix(site: str, round_no: int | None = None) -> str:
     """The one prefix of a site's log lines: ``[lumi r3]``, or ``[lumi]`` outside a round."""
     return f"[{site}]" if round_no is None else f"[{site} r{round_no}]"

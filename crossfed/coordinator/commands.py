@@ -430,7 +430,13 @@ def _admin_read(config: RunConfig, live: Any, stopped: Any) -> tuple[Any, bool]:
 def cmd_status(args: argparse.Namespace) -> int:
     """Round k of N, the last held-out perplexity, an ETA and the leases (live or stopped)."""
     from crossfed.coordinator.service import read_status
-    from crossfed.progress import closed_round_seconds, evaluations, progress_lines, run_progress
+    from crossfed.progress import (
+        closed_round_seconds,
+        evaluations,
+        ledger_line,
+        progress_lines,
+        run_progress,
+    )
 
     config = _effective_config(args)
     status, live = _admin_read(config, lambda client: client.status(), read_status)
@@ -452,11 +458,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"run {config.run_name} ({where})")
     for line in progress_lines(progress, live):
         print(line)
-    print(
-        f"generation {status['generation']}  global step {status['global_step']}  epoch "
-        f"{status['epoch']}  committed {status['blocks_committed_in_epoch']}/"
-        f"{status['blocks_total']} blocks"
-    )
+    print(ledger_line(status))
     for lease in status["active_leases"]:
         left = lease["expires_at"] - time.time()
         expiry = f"expires in {left:.0f}s" if left > 0 else "expired"

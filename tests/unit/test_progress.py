@@ -7,6 +7,7 @@ import pytest
 from crossfed.progress import (
     duration,
     eta_s,
+    ledger_line,
     progress_lines,
     round_line,
     run_progress,
@@ -86,3 +87,19 @@ def test_run_progress_open_finished_and_stopped() -> None:
     done = run_progress({"round": 9}, 8, [40.0] * 8, evals, open_since=None, now=0.0)
     assert done["finished"] and done["rounds_closed"] == 8
     assert progress_lines(done, live=False)[0] == "finished: 8 of 8 rounds closed"
+
+
+def test_the_ledger_line_says_epochs_count_from_0_and_how_many_came_before() -> None:
+    status = {"generation": 3, "global_step": 96, "epoch": 0, "blocks_committed_in_epoch": 412,
+              "blocks_total": 883}  # fmt: skip
+    assert ledger_line(status) == (
+        "generation 3  global step 96  epoch 0 (counted from 0): 412/883 blocks committed"
+    )
+    # a run that trained its whole first epoch (the Quick start's) is in epoch 1, none of
+    # its blocks committed yet
+    finished = {**status, "generation": 8, "global_step": 256, "epoch": 1,
+                "blocks_committed_in_epoch": 0}  # fmt: skip
+    assert ledger_line(finished).endswith(
+        "epoch 1 (counted from 0): 0/883 blocks committed; 1 full epoch before it"
+    )
+    assert ledger_line({**finished, "epoch": 3}).endswith("; 3 full epochs before it")
