@@ -414,20 +414,21 @@ class OverlapRun(Run):
         self.older_delta: list[dict[str, torch.Tensor] | None] = [None] * sites
         self.last_delta: list[dict[str, torch.Tensor] | None] = [None] * sites
 
-    def eager_start(self, site: int, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def eager_start(self, site: int) -> dict[str, torch.Tensor]:
         """Where site ``site`` takes its stale steps from with ``--overlap-eager`` (Kale et
         al. 2025's eager update, for a fold-in part way through the phase): not its own
-        weights (the published model ``P`` plus its whole delta ``d``) but the coming merge as
-        it can estimate it: ``P + d / S`` for its own share, plus the other sites' share of the
-        last merge, ``(P - P_before) - d_before / S``. Its own weights until it has that."""
+        weights (the last published model ``P``, ``previous``, plus its whole delta ``d``) but
+        the coming merge as it can estimate it: ``P + d / S`` for its own share, plus the
+        other sites' share of the last merge, ``(P - P_before) - d_before / S``. Its own
+        weights until it has that."""
         sent, own, older = self.sent[site], self.last_delta[site], self.older_delta[site]
-        if self.before is None or own is None or older is None:
+        if self.previous is None or self.before is None or own is None or older is None:
             return sent
         S = len(self.optimizers)
         return {
             k: (p.float() + (own[k].float() - older[k].float()) / S
                 + (p.float() - self.before[k].float()))
-            for k, p in merged.items()
+            for k, p in self.previous.items()
         }  # fmt: skip
 
     def round(self, leases: list[list[int]], steps: int) -> None:
@@ -444,8 +445,8 @@ class OverlapRun(Run):
                 load_parameters(self.model, merged)
                 self.adopt_moments(i)
             else:
-                if self.eager and self.previous is not None:
-                    sent = self.eager_start(i, self.previous)
+                if self.eager:
+                    sent = self.eager_start(i)
                 load_parameters(self.model, sent)
                 stale = min(self.tau, steps) * self.inner.windows_per_step
                 if stale:

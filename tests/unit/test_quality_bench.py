@@ -310,11 +310,11 @@ def test_eager_stale_steps_start_from_the_sites_estimate_of_the_coming_merge(
     for r, leases in enumerate(plan):
         published.append({k: v.float() for k, v in overlapped.published().items()})
         if r == 1:  # no merge before the last one yet: the site's own weights
-            assert all(_same(overlapped.eager_start(i, overlapped.previous), overlapped.sent[i])
+            assert all(_same(overlapped.eager_start(i), overlapped.sent[i])
                        for i in range(SITES))  # type: ignore[arg-type]  # fmt: skip
         if r == 2:
             for i in range(SITES):
-                start = overlapped.eager_start(i, overlapped.previous)  # type: ignore[arg-type]
+                start = overlapped.eager_start(i)
                 for k, p in published[1].items():
                     own = (deltas[1][i][k].float() - deltas[0][i][k].float()) / SITES
                     expected = p + own + (p - published[0][k])
