@@ -27,7 +27,8 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
   reset, or whole moments averaged are levers to measure), the token embedding's rows
   weighted by how often each site saw each token (``--embedding-rows``: ``counts``, the
   workflow's default, ``crossfed.rowcounts``; the overlapped row counts the windows after
-  its fold-in; ``shares`` weights them as every other tensor, by the token shares);
+  its fold-in, or with ``--overlap-counts all`` its stale steps' too; ``shares`` weights
+  them as every other tensor, by the token shares);
 * FedAvg: the same with beta=0, eta=1 (the token-weighted mean of the site models; with the
   ``average`` preset it is the DiLoCo row itself, trained once);
 * DiLoCo 1 site: one site of batch 3*B with the same outer step as the DiLoCo row;
@@ -413,6 +414,9 @@ class OverlapRun(Run):
         self.previous: dict[str, torch.Tensor] | None = None
         self.older_delta: list[dict[str, torch.Tensor] | None] = [None] * sites
         self.last_delta: list[dict[str, torch.Tensor] | None] = [None] * sites
+        #: ``--overlap-counts all``: the embedding rows' counts take the stale steps' windows
+        #: too, not only those after the fold-in (the workflow's ``PhaseState.counted_from``)
+        self.count_stale = False
 
     def eager_start(self, site: int) -> dict[str, torch.Tensor]:
         """Where site ``site`` takes its stale steps from with ``--overlap-eager`` (Kale et
@@ -458,7 +462,8 @@ class OverlapRun(Run):
             ended = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
             deltas.append(delta_of(ended, merged, self.wire.delta_dtype))
             tokens.append(state.tokens)
-            counted.append(lease[stale:])  # the workflow's PhaseState.counted_from
+            # the workflow's PhaseState.counted_from, or every window with count_stale
+            counted.append(lease if self.count_stale else lease[stale:])
             self.sent[i] = ended
             self.older_delta[i], self.last_delta[i] = self.last_delta[i], deltas[-1]
         self.before, self.previous = self.previous, merged
@@ -607,6 +612,7 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
     for run in unique:
         if isinstance(run, OverlapRun):
             run.eager = args.overlap_eager
+            run.count_stale = args.overlap_counts == "all"
         run.adam_state, run.adam_every = args.adam_state, args.adam_every
         run.embedding_rows = args.embedding_rows
         if args.combined_denominator and len(run.optimizers) > 1:
@@ -697,6 +703,11 @@ def main() -> None:
                         help="with rebase: the stale steps start from the site's estimate of "
                         "the coming merge (its own delta's share plus the other sites' share "
                         "of the last merge), not from its own weights")  # fmt: skip
+    parser.add_argument("--overlap-counts", choices=("after-fold-in", "all"),
+                        default="after-fold-in",
+                        help="with --embedding-rows counts: the overlap row counts the windows "
+                        "after its fold-in (the workflow's) or all of its phase's, the stale "
+                        "steps' too")  # fmt: skip
     parser.add_argument("--global-dtype", choices=DTYPES, default="bf16",
                         help="the global model sites download (the workflow's: bf16)")  # fmt: skip
     parser.add_argument("--delta-dtype", choices=DTYPES, default="bf16",

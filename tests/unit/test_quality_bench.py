@@ -322,3 +322,17 @@ def test_eager_stale_steps_start_from_the_sites_estimate_of_the_coming_merge(
                 assert not _same(start, overlapped.sent[i])  # type: ignore[arg-type]
         overlapped.round(leases, H)
         deltas.append(list(overlapped.last_delta))
+
+
+def test_counting_the_stale_windows_moves_only_the_embedding_rows(tiny_data: Path) -> None:
+    (_, after, plan), (_, every, _) = (
+        _runs(tiny_data, OverlapConfig(enabled=True), tau=1) for _ in range(2)
+    )
+    every.count_stale = True
+    for leases in plan:
+        after.round(leases, H)
+        every.round(leases, H)
+    embedding = "tok_embeddings.weight"
+    assert not torch.equal(after.master[embedding], every.master[embedding])
+    assert _same({k: v for k, v in after.master.items() if k != embedding},
+                 {k: v for k, v in every.master.items() if k != embedding})  # fmt: skip
