@@ -417,6 +417,10 @@ class OverlapRun(Run):
         #: ``--overlap-counts all``: the embedding rows' counts take the stale steps' windows
         #: too, not only those after the fold-in (the workflow's ``PhaseState.counted_from``)
         self.count_stale = False
+        #: ``--overlap-embedding merged``: the fold-in keeps the stale steps' update of every
+        #: tensor but the token embedding, which it sets to the merged model's (a diagnostic of
+        #: where the stale steps' cost lies; those steps' windows then train no embedding row)
+        self.stale_embedding = "rebase"
 
     def eager_start(self, site: int) -> dict[str, torch.Tensor]:
         """Where site ``site`` takes its stale steps from with ``--overlap-eager`` (Kale et
@@ -456,6 +460,8 @@ class OverlapRun(Run):
                 if stale:
                     state = self._phase(trainer, lease[:stale], state)
                 theta = fold_in(parameters_of(self.model), sent, merged, self.overlap)
+                if self.stale_embedding == "merged":
+                    theta[rowcounts.EMBEDDING] = merged[rowcounts.EMBEDDING].float()
                 load_parameters(self.model, theta)
                 self.adopt_moments(i)
             state = self._phase(trainer, lease, state)
@@ -613,6 +619,7 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
         if isinstance(run, OverlapRun):
             run.eager = args.overlap_eager
             run.count_stale = args.overlap_counts == "all"
+            run.stale_embedding = args.overlap_embedding
         run.adam_state, run.adam_every = args.adam_state, args.adam_every
         run.embedding_rows = args.embedding_rows
         if args.combined_denominator and len(run.optimizers) > 1:
@@ -708,6 +715,10 @@ def main() -> None:
                         help="with --embedding-rows counts: the overlap row counts the windows "
                         "after its fold-in (the workflow's) or all of its phase's, the stale "
                         "steps' too")  # fmt: skip
+    parser.add_argument("--overlap-embedding", choices=("rebase", "merged"), default="rebase",
+                        help="the overlap row's fold-in for the token embedding: rebase it as "
+                        "every tensor (the workflow's) or take the merged model's, dropping the "
+                        "stale steps' update of it (a diagnostic)")  # fmt: skip
     parser.add_argument("--global-dtype", choices=DTYPES, default="bf16",
                         help="the global model sites download (the workflow's: bf16)")  # fmt: skip
     parser.add_argument("--delta-dtype", choices=DTYPES, default="bf16",

@@ -336,3 +336,16 @@ def test_counting_the_stale_windows_moves_only_the_embedding_rows(tiny_data: Pat
     assert not torch.equal(after.master[embedding], every.master[embedding])
     assert _same({k: v for k, v in after.master.items() if k != embedding},
                  {k: v for k, v in every.master.items() if k != embedding})  # fmt: skip
+
+
+def test_a_merged_embedding_fold_in_drops_the_stale_steps_update_of_the_embedding_only(
+    tiny_data: Path,
+) -> None:
+    _, overlapped, plan = _runs(tiny_data, OverlapConfig(enabled=True), tau=H)
+    overlapped.stale_embedding = "merged"
+    embedding = "tok_embeddings.weight"
+    overlapped.round(plan[0], H)
+    first = {k: v.clone() for k, v in overlapped.master.items()}
+    overlapped.round(plan[1], H)  # every step stale: the fold-in comes after the last one
+    assert torch.equal(overlapped.master[embedding], first[embedding])
+    assert all(not torch.equal(overlapped.master[k], first[k]) for k in first if k != embedding)
