@@ -180,6 +180,8 @@ def test_headless_chromium_renders_the_page(busy: LiveCoordinator, tmp_path: Pat
     html = dom.stdout
     assert '<span id="round" class="value">2</span>' in html, dom.stderr[-2000:]
     assert '<span id="generation" class="value">1</span>' in html
+    assert '<span id="epoch" class="value">0</span>' in html and "counted from 0" in html
+    assert '<span id="epochs-before" class="label">the first</span>' in html
     sites_table = html[html.index('<table id="sites">') : html.index('<table id="ledger">')]
     for site in ("snellius", "lumi", "frontier"):
         assert f'<tr data-site="{site}">' in sites_table

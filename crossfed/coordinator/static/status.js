@@ -57,6 +57,8 @@ function renderSummary(state) {
   $("generation").textContent = fmt(s.generation);
   $("global-step").textContent = fmt(s.global_step);
   $("epoch").textContent = fmt(s.epoch);
+  $("epochs-before").textContent =
+    s.epoch > 0 ? `${s.epoch} full epoch${s.epoch > 1 ? "s" : ""} before it` : "the first";
   $("epoch-blocks").textContent = `${s.blocks_committed_in_epoch} / ${s.blocks_total}`;
   $("epoch-bar").style.width = `${(100 * s.blocks_committed_in_epoch) / s.blocks_total}%`;
   $("live-sites").textContent = String(state.sites.filter((x) => x.live).length);
