@@ -48,7 +48,9 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
   ``--overlap-rule`` ``rebase`` (default; the delayed outer update of Kale et al. 2025,
   arXiv 2502.12996: theta <- merged + theta - sent) or ``mix`` (Streaming DiLoCo, Douillard
   et al. 2025, arXiv 2501.18512: theta <- alpha * theta + (1 - alpha) * merged, alpha from
-  ``--overlap-alpha``, default 0.5).
+  ``--overlap-alpha``, default 0.5). ``--overlap-eager``, ``--overlap-counts all`` and
+  ``--overlap-embedding merged`` are levers and diagnostics of the stale steps
+  (docs/quality.md).
 
 ``--early-rounds N --early-h E`` makes the first N rounds E inner steps long and the rest H,
 over the same T steps and the same windows in the same order (post-local SGD, Lin et al.
