@@ -55,7 +55,9 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
 ``--early-rounds N --early-h E`` makes the first N rounds E inner steps long and the rest H,
 over the same T steps and the same windows in the same order (post-local SGD, Lin et al.
 2020, arXiv 1808.07217: merge often while the model moves fastest, then rarely), what the
-workflow's ``inner.early_rounds`` and ``inner.early_steps`` train.
+workflow's ``inner.early_rounds`` and ``inner.early_steps`` train. ``--late-rounds N --late-h
+L`` makes the last N rounds L steps long (merging more often while the learning rate decays;
+a lever the workflow does not have).
 
 ``--regime long`` (the default) is where users run: the workflow's H=25 over 40 rounds
 (1,000 steps) and the paper's H=100 over 20 (2,000 steps), about 0.7 and 1.3 epochs of the
@@ -196,19 +198,24 @@ def site_windows(
     return out
 
 
-def round_lengths(H: int, T: int, early_rounds: int = 0, early_h: int = 0) -> list[int]:
+def round_lengths(H: int, T: int, early_rounds: int = 0, early_h: int = 0,
+                  late_rounds: int = 0, late_h: int = 0) -> list[int]:  # fmt: skip
     """Each round's inner steps over T optimiser steps: ``early_rounds`` rounds of
     ``early_h`` steps first (more frequent merges while the model moves fastest), then
-    rounds of H."""
+    rounds of H, then ``late_rounds`` rounds of ``late_h`` (more frequent merges while the
+    learning rate decays)."""
+    for flag, rounds, h in (("early", early_rounds, early_h), ("late", late_rounds, late_h)):
+        if rounds and h < 1:
+            raise ValueError(f"--{flag}-h must be >= 1 with --{flag}-rounds, got {h}")
     early = early_rounds * early_h if early_rounds else 0
-    if early_rounds and early_h < 1:
-        raise ValueError(f"--early-h must be >= 1 with --early-rounds, got {early_h}")
-    if early > T or (T - early) % H:
+    late = late_rounds * late_h if late_rounds else 0
+    if early + late > T or (T - early - late) % H:
         raise ValueError(
-            f"{early_rounds} early rounds of {early_h} steps leave {T - early} of {T} steps, "
-            f"not a whole number of rounds of H={H}"
+            f"{early_rounds} early rounds of {early_h} steps and {late_rounds} late rounds of "
+            f"{late_h} leave {T - early - late} of {T} steps, not a whole number of rounds of "
+            f"H={H}"
         )
-    return [early_h] * early_rounds + [H] * ((T - early) // H)
+    return [early_h] * early_rounds + [H] * ((T - early - late) // H) + [late_h] * late_rounds
 
 
 def epochs_of(space: BlockSpace, windows: int) -> float:
@@ -574,7 +581,8 @@ def warmup_steps(args, T: int) -> int:
 def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) -> dict:
     """One data order and model seed at one H: every requested row, trained side by side."""
     S, B, T = args.sites, args.batch, args.steps_by_h[H]
-    lengths = round_lengths(H, T, args.early_rounds, args.early_h)
+    lengths = round_lengths(H, T, args.early_rounds, args.early_h, args.late_rounds,
+                            args.late_h)  # fmt: skip
     R = len(lengths)
     space = BlockSpace(store.n_windows, args.block_size, seed=1234 + seed)
     plan = site_windows(space, S, B, lengths, R)
@@ -764,6 +772,10 @@ def main() -> None:
                         help="the first this many rounds merge every --early-h steps, the rest "
                         "every H (the total steps unchanged)")  # fmt: skip
     parser.add_argument("--early-h", type=int, default=0, help="inner steps of an early round")
+    parser.add_argument("--late-rounds", type=int, default=0,
+                        help="the last this many rounds merge every --late-h steps (the total "
+                        "steps unchanged)")  # fmt: skip
+    parser.add_argument("--late-h", type=int, default=0, help="inner steps of a late round")
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate every this many steps (0: at the end only)")  # fmt: skip
@@ -782,7 +794,9 @@ def main() -> None:
     args.inner_steps = list(args.steps_by_h)
     try:
         rounds_by_h = {
-            H: len(round_lengths(H, T, args.early_rounds, args.early_h))
+            H: len(
+                round_lengths(H, T, args.early_rounds, args.early_h, args.late_rounds, args.late_h)
+            )  # fmt: skip
             for H, T in args.steps_by_h.items()
         }
     except ValueError as exc:
@@ -889,6 +903,8 @@ def main() -> None:
         "combined_denominator": args.combined_denominator,
         "early_rounds": args.early_rounds,
         "early_h": args.early_h,
+        "late_rounds": args.late_rounds,
+        "late_h": args.late_h,
         "rounds": {str(H): n for H, n in rounds_by_h.items()},
         "outer_run": results[cells[0]]["outer_run"],
         "by_h": by_h,

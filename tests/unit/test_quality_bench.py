@@ -152,10 +152,12 @@ def test_leases_past_one_epoch_continue_with_the_next_epochs_permutation() -> No
     assert second == epoch1[:20]
 
 
-def test_early_rounds_merge_more_often_over_the_same_steps_and_windows() -> None:
+def test_early_and_late_rounds_merge_more_often_over_the_same_steps_and_windows() -> None:
     assert round_lengths(25, 1000) == [25] * 40
     assert round_lengths(25, 1000, early_rounds=20, early_h=5) == [5] * 20 + [25] * 36
-    for bad in ((7, 5), (3, 0)):  # 965 steps are no whole number of 25-step rounds; H 0
+    assert round_lengths(25, 1000, late_rounds=20, late_h=5) == [25] * 36 + [5] * 20
+    assert round_lengths(25, 1000, 10, 5, 10, 5) == [5] * 10 + [25] * 36 + [5] * 10
+    for bad in ((7, 5), (3, 0), (0, 0, 7, 5), (0, 0, 3, 0)):  # 965 steps: no whole rounds
         with pytest.raises(ValueError):
             round_lengths(25, 1000, *bad)
     space = BlockSpace(400, 4, seed=9)
