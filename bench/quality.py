@@ -207,8 +207,7 @@ def round_lengths(H: int, T: int, early_rounds: int = 0, early_h: int = 0,
     for flag, rounds, h in (("early", early_rounds, early_h), ("late", late_rounds, late_h)):
         if rounds and h < 1:
             raise ValueError(f"--{flag}-h must be >= 1 with --{flag}-rounds, got {h}")
-    early = early_rounds * early_h if early_rounds else 0
-    late = late_rounds * late_h if late_rounds else 0
+    early, late = early_rounds * early_h, late_rounds * late_h
     if early + late > T or (T - early - late) % H:
         raise ValueError(
             f"{early_rounds} early rounds of {early_h} steps and {late_rounds} late rounds of "

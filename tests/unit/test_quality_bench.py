@@ -25,6 +25,7 @@ from bench.quality import (
     site_windows,
     warmup_steps,
 )
+from crossfed import rowcounts
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.windows import WindowStore
 from crossfed.outer import PRESETS
@@ -334,7 +335,7 @@ def test_counting_the_stale_windows_moves_only_the_embedding_rows(tiny_data: Pat
     for leases in plan:
         after.round(leases, H)
         every.round(leases, H)
-    embedding = "tok_embeddings.weight"
+    embedding = rowcounts.EMBEDDING
     assert not torch.equal(after.master[embedding], every.master[embedding])
     assert _same({k: v for k, v in after.master.items() if k != embedding},
                  {k: v for k, v in every.master.items() if k != embedding})  # fmt: skip
@@ -345,7 +346,7 @@ def test_a_merged_embedding_fold_in_drops_the_stale_steps_update_of_the_embeddin
 ) -> None:
     _, overlapped, plan = _runs(tiny_data, OverlapConfig(enabled=True), tau=H)
     overlapped.stale_embedding = "merged"
-    embedding = "tok_embeddings.weight"
+    embedding = rowcounts.EMBEDDING
     overlapped.round(plan[0], H)
     first = {k: v.clone() for k, v in overlapped.master.items()}
     overlapped.round(plan[1], H)  # every step stale: the fold-in comes after the last one
