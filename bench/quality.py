@@ -265,6 +265,8 @@ class Run:
         self.embedding_rows = rowcounts.DEFAULT_MODE
         #: the (eta, beta) each outer step ran with, by number of contributors
         self.steps_run: dict[int, tuple[float, float]] = {}
+        #: ``--outer-decay``: the outer rate's floor (a cosine over the run), None: constant
+        self.outer_decay: float | None = None
 
     def merge(
         self,
@@ -280,9 +282,10 @@ class Run:
             counts = [rowcounts.token_counts(self.store.take(lease), vocab) for lease in leases]
             weights = rowcounts.row_weights(counts, token_shares(tokens))
             rows = {rowcounts.EMBEDDING: weights} if weights is not None else None
-        report = outer_step(
-            self.master, self.momentum, deltas, tokens, self.outer, row_weights=rows
-        )
+        outer = self.outer
+        if self.outer_decay is not None:
+            outer = decayed_outer(outer, token_shares(tokens), self.outer_factor())
+        report = outer_step(self.master, self.momentum, deltas, tokens, outer, row_weights=rows)
         self.steps_run[report.contributors] = (report.eta_used, report.beta_used)
         self.merges += 1
         if self.merges % self.adam_every:
@@ -301,6 +304,14 @@ class Run:
         if self.combined > 1:
             return combined_optimizer(self.model, self.inner, self.combined)
         return make_optimizer(self.model, self.inner, lr=0.0)
+
+    def outer_factor(self) -> float:
+        """``--outer-decay``'s factor on the outer rate at this merge: the inner schedule's
+        cosine after its warmup, from 1 to the floor, at the round's last step (the merge
+        comes after the round's steps are counted)."""
+        warmup = self.schedule.warmup_steps
+        cosine = LRSchedule(1.0, warmup, self.schedule.total_steps, self.outer_decay)
+        return cosine.lr_at(max(self.global_step - 1, warmup))
 
     def round(self, leases: list[list[int]], steps: int) -> None:
         """Every site trains its lease from the global model; the outer step merges."""
@@ -321,11 +332,11 @@ class Run:
             )
             deltas.append(delta_of(parameters_of(self.model), published, self.wire.delta_dtype))
             tokens.append(state.tokens)
+        self.global_step += steps
         if self.outer is None:  # centralised: the model simply continues
             self.master = {k: v.detach().clone() for k, v in parameters_of(self.model).items()}
         else:
             self.merge(deltas, tokens, leases)
-        self.global_step += steps
         self.train_s += time.perf_counter() - t0
 
     def adopt_moments(self, site: int) -> None:
@@ -481,8 +492,8 @@ class OverlapRun(Run):
             self.sent[i] = ended
             self.older_delta[i], self.last_delta[i] = self.last_delta[i], deltas[-1]
         self.before, self.previous = self.previous, merged
-        self.merge(deltas, tokens, counted)
         self.global_step += steps
+        self.merge(deltas, tokens, counted)
         self.train_s += time.perf_counter() - t0
 
     def _phase(self, trainer: Trainer, lease: list[int], state: PhaseState) -> PhaseState:
@@ -564,6 +575,13 @@ def outer_json(config: OuterConfig) -> dict:
             "solo_full_step": config.solo_full_step}  # fmt: skip
 
 
+def decayed_outer(outer: OuterConfig, shares: list[float], factor: float) -> OuterConfig:
+    """The outer step ``outer`` takes for these contributors, its rate times ``factor``
+    (``--outer-decay``), as an explicit eta and beta."""
+    eta, beta = outer.step_for(shares)
+    return OuterConfig(eta=eta * factor, beta=beta, solo_full_step=False, preset="paper")
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
     mean = sum(values) / len(values)
@@ -630,6 +648,7 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
             run.count_stale = args.overlap_counts == "all"
             run.stale_embedding = args.overlap_embedding
         run.adam_state, run.adam_every = args.adam_state, args.adam_every
+        run.outer_decay = args.outer_decay
         run.embedding_rows = args.embedding_rows
         if args.combined_denominator and len(run.optimizers) > 1:
             run.combined = len(run.optimizers)
@@ -775,6 +794,12 @@ def main() -> None:
                         help="the last this many rounds merge every --late-h steps (the total "
                         "steps unchanged)")  # fmt: skip
     parser.add_argument("--late-h", type=int, default=0, help="inner steps of a late round")
+    parser.add_argument(
+        "--outer-decay", type=float, default=None, metavar="FLOOR",
+        help="the outer rate follows the inner schedule's cosine after its warmup, from 1 to "
+        "FLOOR x (with --min-lr-factor 1.0: the sites keep their rate, the merge anneals; "
+        "default: a constant outer rate)",
+    )  # fmt: skip
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate every this many steps (0: at the end only)")  # fmt: skip
@@ -896,6 +921,7 @@ def main() -> None:
         "wire": {"global": args.global_dtype, "delta": args.delta_dtype},
         "warmup_steps": {str(H): warmup_steps(args, T) for H, T in args.steps_by_h.items()},
         "min_lr_factor": args.min_lr_factor,
+        "outer_decay": args.outer_decay,
         "weight_decay": args.weight_decay,
         "adam_state": args.adam_state,
         "embedding_rows": args.embedding_rows,

@@ -352,3 +352,31 @@ def test_a_merged_embedding_fold_in_drops_the_stale_steps_update_of_the_embeddin
     overlapped.round(plan[1], H)  # every step stale: the fold-in comes after the last one
     assert torch.equal(overlapped.master[embedding], first[embedding])
     assert all(not torch.equal(overlapped.master[k], first[k]) for k in first if k != embedding)
+
+
+def test_outer_decay_scales_each_merges_step_by_the_cosine_and_nothing_else(
+    tiny_data: Path,
+) -> None:
+    store = WindowStore.open(tiny_data, "train")
+    plan = site_windows(BlockSpace(store.n_windows, 8, seed=5), SITES, BATCH, H, 2)
+    schedule = LRSchedule(peak_lr=3e-3, warmup_steps=1, total_steps=2 * H)
+    cfg, vocab = InnerConfig(micro_batch=BATCH), store.vocab_size
+    constant = Run("diloco", store, vocab, 0, schedule, PRESETS["average"], SITES, cfg)
+    decayed = Run("diloco", store, vocab, 0, schedule, PRESETS["average"], SITES, cfg)
+    decayed.outer_decay = 0.1
+    constant.round(plan[0], H)
+    decayed.round(plan[0], H)
+    # merge 1 ends at step 1, the cosine's start: the full step
+    assert _same(constant.master, decayed.master)
+    assert decayed.steps_run == {SITES: (1.0, 0.0)}
+    before = {k: v.clone() for k, v in decayed.master.items()}
+    constant.round(plan[1], H)
+    decayed.round(plan[1], H)
+    # merge 2 ends at step 3 of 4, 2/3 through the decay: 0.1 + 0.9 * (1 + cos(2pi/3)) / 2
+    factor = 0.1 + 0.9 * 0.25
+    assert decayed.steps_run[SITES] == pytest.approx((factor, 0.0))
+    for name, start in before.items():
+        torch.testing.assert_close(
+            decayed.master[name] - start, factor * (constant.master[name] - start),
+            rtol=1e-4, atol=1e-6,
+        )  # fmt: skip
