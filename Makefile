@@ -43,15 +43,16 @@ system-deps:
 # (no --quiet: it would hide the warnings that strict counts).
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# Lint, the docs build, then every test in one pytest run on three workers (pytest-xdist),
-# in whole work units (tests/conftest.py: work_unit), longest first: the Slurm tests in
-# turn on one worker (they mostly wait on job walltimes), the other end-to-end units (whole
-# workflows, the soak, Chromium) on the others, then the unit test files, which fill the
-# cores while tests wait on leases, rounds and Slurm.
+# Lint, the docs build, unit tests on two workers (pytest-xdist; a file's tests stay on one
+# worker), then the e2e tests on two workers too: the Slurm tests (which mostly wait on job
+# walltimes) in turn on one, the others (whole workflows, the soak, Chromium) file by file
+# beside them (tests/e2e/conftest.py: work_unit).
 test: setup system-deps
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ruff check crossfed tests bench scripts
 	$(MKDOCS)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -n 3 tests --timeout 1800 --durations=40
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -n 2 --dist loadfile tests/unit \
+		--timeout 1800 --durations=30
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -n 2 tests/e2e --timeout 1800 --durations=30
 
 lint: setup
 	$(BIN)/ruff check crossfed tests bench scripts

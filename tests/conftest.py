@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -322,52 +321,3 @@ async def chunked(data: bytes, size: int = 1 << 16) -> AsyncIterator[bytes]:
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
-
-
-#: the test files that run on one xdist worker, in turn: those on a Slurm test cluster (the
-#: shared one owns /etc/slurm/slurm.conf, so two workers cannot each start one) and those
-#: judging one soak run (a session fixture, tests/e2e/conftest.py)
-GROUPS = {
-    "test_multisite.py": "slurm",
-    "test_real_site_commands.py": "slurm",
-    "test_sched_slurm_live.py": "slurm",
-    "test_slurm_cluster.py": "slurm",
-    "test_slurm_workflow.py": "slurm",
-    "test_soak.py": "soak",
-    "test_soak_check.py": "soak",
-}
-
-
-def work_unit(nodeid: str) -> str:
-    """The unit of work a test belongs to: its group, else its file (module fixtures are
-    built once)."""
-    path = nodeid.split("::", 1)[0]
-    return GROUPS.get(Path(path).name, path)
-
-
-def run_order(path: Path) -> int:
-    """Longest work first, so the short units even out the workers at the end: the Slurm
-    group (it mostly waits on job walltimes, and is the longest), then the other end-to-end
-    units (whole workflows, the soak, Chromium: minutes each), then the unit test files."""
-    if GROUPS.get(path.name) == "slurm":
-        return 0
-    return 1 if "e2e" in path.parts else 2
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: run_order(item.path))
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``-n N``: whole work units (``work_unit``) to the workers, in ``run_order``
-    (``--dist loadgroup`` with marks added at collection no longer groups on this pytest)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    config.option.loadscopereorder = False  # its order is by tests per unit, not their length
-
-    class WorkUnits(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
-
-    return WorkUnits(config, log)
