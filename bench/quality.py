@@ -101,7 +101,7 @@ import json
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -309,9 +309,8 @@ class Run:
         """``--outer-decay``'s factor on the outer rate at this merge: the inner schedule's
         cosine after its warmup, from 1 to the floor, at the round's last step (the merge
         comes after the round's steps are counted)."""
-        warmup = self.schedule.warmup_steps
-        cosine = LRSchedule(1.0, warmup, self.schedule.total_steps, self.outer_decay)
-        return cosine.lr_at(max(self.global_step - 1, warmup))
+        cosine = replace(self.schedule, peak_lr=1.0, min_lr_factor=self.outer_decay)
+        return cosine.lr_at(max(self.global_step - 1, self.schedule.warmup_steps))
 
     def round(self, leases: list[list[int]], steps: int) -> None:
         """Every site trains its lease from the global model; the outer step merges."""
