@@ -10,8 +10,8 @@ and the centralised step trains the three sites' step-h windows together, so eve
 sees the same windows in the same number of sequential optimiser steps (the paper's control:
 Photon's federated advantage came from ~8x more steps). The learning-rate schedule is indexed
 by the global step in all of them: the workflow's for a new run (a linear warmup over a tenth
-of the run's steps, ``--warmup-steps`` to set it, then a cosine to ``--min-lr-factor`` of the
-peak). Every DiLoCo-style row crosses the workflow's wire: its
+of the run's steps, ``--warmup-steps`` to set it, then a cosine to half the peak,
+``--min-lr-factor`` to set it). Every DiLoCo-style row crosses the workflow's wire: its
 sites train from the global model as the coordinator publishes it (the fp32 master cast to
 bf16) and send bf16 deltas measured against it, while the outer step runs on the fp32 master
 (``--global-dtype`` / ``--delta-dtype fp32`` make either side lossless).
@@ -131,7 +131,7 @@ from crossfed.train.inner import (
 )
 from crossfed.train.model import LOCAL_FLAVOURS, build_model, load_parameters, parameters_of
 from crossfed.train.overlap import RULES, OverlapConfig, fold_in
-from crossfed.train.schedule import LRSchedule, default_warmup_steps
+from crossfed.train.schedule import DEFAULT_MIN_LR_FACTOR, LRSchedule, default_warmup_steps
 from crossfed.wire.deltas import delta_of
 
 PAPER_RATIO = 34.7 / 28.2
@@ -754,7 +754,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="linear warmup steps (default: the workflow's for a new run, "
                         "a tenth of the run's steps: schedule.default_warmup_steps)")  # fmt: skip
-    parser.add_argument("--min-lr-factor", type=float, default=0.1)
+    parser.add_argument("--min-lr-factor", type=float, default=DEFAULT_MIN_LR_FACTOR,
+                        help="the cosine's floor as a share of the peak (default: the "
+                        "workflow's for a new run, schedule.DEFAULT_MIN_LR_FACTOR)")  # fmt: skip
     parser.add_argument(
         "--weight-decay",
         type=float,

@@ -138,7 +138,7 @@ class InnerSection(Section):
     early_steps: int
     lr: float
     warmup_steps: int | None
-    min_lr_factor: float
+    min_lr_factor: float | None
     weight_decay: float
     grad_clip: float
     second_moment: str | None

@@ -10,7 +10,12 @@ from crossfed import moments, rowcounts
 from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
 from crossfed.outer import DEFAULT_PRESET, OuterConfig
-from crossfed.train.schedule import LRSchedule, default_warmup_steps, round_steps
+from crossfed.train.schedule import (
+    DEFAULT_MIN_LR_FACTOR,
+    LRSchedule,
+    default_warmup_steps,
+    round_steps,
+)
 
 if TYPE_CHECKING:
     from crossfed.config import RunConfig, SiteConfig
@@ -139,6 +144,11 @@ class RunSpec:
         warmup = spec.schedule.warmup_steps
         if warmup is not None and (type(warmup) is not int or warmup < 0):
             raise RunSpecError(f"schedule.warmup_steps must be an integer >= 0, got {warmup!r}")
+        floor = spec.schedule.min_lr_factor
+        if floor is not None and (
+            type(floor) not in (int, float) or not 0.0 <= floor <= 1.0  # bool is no number
+        ):
+            raise RunSpecError(f"schedule.min_lr_factor must be a number in [0, 1], got {floor!r}")
         share = spec.leases.probe_share
         if not 0.0 < share <= 1.0:
             raise RunSpecError(f"leases.probe_share must be in (0, 1], got {share}")
@@ -160,16 +170,17 @@ class RunSpec:
 
 def resolve_unset(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
     """``spec`` with every setting its config may leave unset (None) decided: its outer
-    preset, its second-moment mode, its embedding rows' weighting and its warmup. One left
-    unset takes the existing run's, or for a new run the default
-    (:data:`~crossfed.outer.DEFAULT_PRESET`, :data:`~crossfed.moments.DEFAULT_MODE`,
-    :data:`~crossfed.rowcounts.DEFAULT_MODE`, and
-    :func:`~crossfed.train.schedule.default_warmup_steps` of the run's length).
+    preset, its second-moment mode, its embedding rows' weighting, its warmup and its
+    learning-rate floor. One left unset takes the existing run's, or for a new run the
+    default (:data:`~crossfed.outer.DEFAULT_PRESET`, :data:`~crossfed.moments.DEFAULT_MODE`,
+    :data:`~crossfed.rowcounts.DEFAULT_MODE`,
+    :func:`~crossfed.train.schedule.default_warmup_steps` of the run's length and
+    :data:`~crossfed.train.schedule.DEFAULT_MIN_LR_FACTOR`).
 
     So a changed default never changes a run in progress: a run keeps the settings it was
     created with when its config leaves ``outer.preset``, ``inner.second_moment``,
-    ``outer.embedding_rows`` or ``inner.warmup_steps`` unset, and a run extended by more
-    rounds keeps the warmup its first length gave it.
+    ``outer.embedding_rows``, ``inner.warmup_steps`` or ``inner.min_lr_factor`` unset, and a
+    run extended by more rounds keeps the warmup its first length gave it.
     """
     if spec.outer.preset is None:
         preset = existing.outer.preset if existing is not None else DEFAULT_PRESET
@@ -187,6 +198,9 @@ def resolve_unset(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
             else default_warmup_steps(spec.schedule.total_steps)
         )
         spec = replace(spec, schedule=replace(spec.schedule, warmup_steps=warmup))
+    if spec.schedule.min_lr_factor is None:
+        floor = existing.schedule.min_lr_factor if existing is not None else DEFAULT_MIN_LR_FACTOR
+        spec = replace(spec, schedule=replace(spec.schedule, min_lr_factor=floor))
     return spec
 
 

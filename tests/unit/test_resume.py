@@ -22,7 +22,7 @@ from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
 from crossfed.sched.commands import build_parser as sched_parser
 from crossfed.site.loop import chain_continues
-from crossfed.train.schedule import LRSchedule, default_warmup_steps
+from crossfed.train.schedule import DEFAULT_MIN_LR_FACTOR, LRSchedule, default_warmup_steps
 from tests.conftest import LiveCoordinator, digest_of, staged_delta, tiny_spec
 from tests.unit.test_security import cli_config
 
@@ -144,6 +144,53 @@ def test_an_unset_warmup_is_a_tenth_of_a_new_runs_steps_and_stays_the_runs_own(
     for bad in (-1, "ten", 2.5):
         with pytest.raises(RunSpecError, match="schedule.warmup_steps must be an integer >= 0"):
             RunSpec.from_dict({**ten.to_dict(), "schedule": {"warmup_steps": bad}})
+
+
+def test_an_unset_floor_is_half_the_peak_for_a_new_run_and_stays_the_runs_own(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    unset = tiny_spec(tiny_data, schedule=LRSchedule(min_lr_factor=None, total_steps=400))
+    fresh = Coordinator(tmp_path / "fresh")
+    assert fresh.init_run(unset)["schedule"]["min_lr_factor"] == 0.5 == DEFAULT_MIN_LR_FACTOR
+    assert Coordinator(tmp_path / "fresh").spec.schedule.min_lr_factor == 0.5  # stored resolved
+    assert fresh.init_run(unset)["created"] is False  # the same config again: no change
+    longer = replace(unset, schedule=replace(unset.schedule, total_steps=800))
+    assert fresh.init_run(longer)["schedule"]["min_lr_factor"] == 0.5  # more rounds keep it
+
+    tenth = tiny_spec(tiny_data, schedule=LRSchedule(min_lr_factor=0.1, total_steps=400))
+    before = Coordinator(tmp_path / "before")  # a run created with the default before: 0.1
+    before.init_run(tenth)
+    reply = before.init_run(unset)  # today's default config: the run keeps its own floor
+    assert not reply["created"] and not reply["extended"]
+    assert reply["schedule"]["min_lr_factor"] == 0.1
+    assert Coordinator(tmp_path / "before").spec.schedule.lr_at(399) == pytest.approx(
+        0.1 * tenth.schedule.peak_lr, rel=1e-3
+    )  # the sites train the stored schedule: a tenth of the peak at its end
+    with pytest.raises(CoordinatorError) as changed:
+        before.init_run(replace(tenth, schedule=replace(tenth.schedule, min_lr_factor=0.5)))
+    assert "schedule.min_lr_factor: 0.1 -> 0.5" in changed.value.message
+    assert Coordinator(tmp_path / "before").spec == tenth  # the refusal changed nothing
+
+    with pytest.raises(ValueError, match="not decided yet"):
+        unset.schedule.lr_at(0)
+    for bad in (-0.1, 1.5, "half", True):
+        with pytest.raises(RunSpecError, match="schedule.min_lr_factor must be a number in"):
+            RunSpec.from_dict({**tenth.to_dict(), "schedule": {"min_lr_factor": bad}})
+
+
+def test_a_run_recorded_before_the_floor_default_reruns_and_extends_unchanged(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    overrides = _workdir(tmp_path, tiny_data)
+    assert load_run_config(None, overrides).inner.min_lr_factor is None  # the default config
+    run_json = tmp_path / "results" / "run.json"
+    record = json.loads(run_json.read_text())
+    record["spec"]["schedule"]["min_lr_factor"] = 0.1  # what the default config gave before
+    run_json.write_text(json.dumps(record))
+    _check(overrides)  # the config leaves the floor unset: the run's own (0.1)
+    _check({**overrides, "rounds": 10})
+    with pytest.raises(ConfigError, match="schedule.min_lr_factor: 0.1 -> 0.3"):
+        _check({**overrides, "inner": {"min_lr_factor": 0.3}})
 
 
 def test_a_run_recorded_before_the_warmup_default_reruns_and_extends_unchanged(
