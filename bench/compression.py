@@ -41,7 +41,8 @@ from safetensors.torch import load_file
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.prepare import prepare
 from crossfed.data.windows import WindowStore
-from crossfed.outer import OuterConfig, outer_step
+from crossfed.outer import outer_step
+from crossfed.outer_presets import OuterConfig
 from crossfed.train.inner import (
     InnerConfig,
     LeaseWindows,

@@ -35,7 +35,8 @@ import torch
 
 from crossfed.coordinator.generations import MOMENTUM, merge_step, write_generation
 from crossfed.fileio import fsync_dir
-from crossfed.outer import OuterConfig, warm_up
+from crossfed.outer import warm_up
+from crossfed.outer_presets import OuterConfig
 from crossfed.wire.tensors import TensorSpec, save_stream
 
 VOCAB, HEAD_DIM = 151936, 128

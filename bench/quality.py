@@ -18,7 +18,7 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
 
 * centralised: one model, batch 3*B, T AdamW steps;
 * DiLoCo 3 sites: three sites of batch B, H inner steps per round (R = T / H rounds), the
-  outer step of ``--outer`` (a preset of ``crossfed.outer.PRESETS``: ``average``, the
+  outer step of ``--outer`` (a preset of ``crossfed.outer_presets.PRESETS``: ``average``, the
   workflow's default, eta=1 and beta=0 for any number of sites; ``tuned``, the default
   before it, beta=0 and eta=1/sqrt(M); or ``paper``, eta=0.7 and beta=0.9 with the solo full
   step; or ``eta=E,beta=B[,solo=0|1]``), inner AdamW state kept per site across rounds
@@ -110,15 +110,8 @@ from crossfed import moments, rowcounts
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.prepare import prepare
 from crossfed.data.windows import WindowStore
-from crossfed.outer import (
-    AVERAGE_STEP,
-    DEFAULT_PRESET,
-    PRESETS,
-    TUNED_BETA,
-    OuterConfig,
-    outer_step,
-    token_shares,
-)
+from crossfed.outer import outer_step, token_shares
+from crossfed.outer_presets import AVERAGE_STEP, DEFAULT_PRESET, PRESETS, TUNED_BETA, OuterConfig
 from crossfed.train.inner import (
     InnerConfig,
     LeaseWindows,

@@ -17,18 +17,22 @@ A row whose scale differs between sites (a token one site rarely sees) takes the
 mean scale, and the site keeps the structure within it.
 
 Pure tensor functions, plus the two that read and write an optimiser's state (sharded
-parameters included: those are collectives that every rank calls).
+parameters included: those are collectives that every rank calls). torch is imported where
+the arithmetic needs it: the run spec reads this module's modes when the workflow is read
+(``crossfed.resume``), and that stays free of torch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from crossfed import rowcounts
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 #: the key prefix of second-moment factors inside a delta file and a global model file
 PREFIX = "moments::"
@@ -80,6 +84,8 @@ def factors(v: Tensor) -> dict[str, Tensor]:
 
 def approximation(parts: Mapping[str, Tensor], shape: torch.Size | Sequence[int]) -> Tensor:
     """What the factors say the whole second moment is: ``row col^T / mean``."""
+    import torch
+
     if FULL in parts:
         return parts[FULL].reshape(shape)
     outer = torch.outer(parts[ROW], parts[COL]) / parts[MEAN].clamp_min(_TINY)
@@ -89,6 +95,8 @@ def approximation(parts: Mapping[str, Tensor], shape: torch.Size | Sequence[int]
 def rescaled(v: Tensor, merged: Mapping[str, Tensor]) -> Tensor:
     """``v`` with its factors replaced by ``merged``'s (fp32); where ``v``'s own approximation
     is zero (a parameter it never stepped), the merged approximation itself."""
+    import torch
+
     v = v.detach().float()
     target = approximation(merged, v.shape).to(v.device)
     own = approximation(factors(v), v.shape).to(v.device)
@@ -113,6 +121,8 @@ def problem(sent: Mapping[str, Tensor], shapes: Mapping[str, Sequence[int]]) -> 
     """What is wrong with a site's factors for a model of ``shapes`` (None: nothing): a key
     the model has no factor for, a shape that is not the factor's, a value that is not
     finite or is negative (a second moment is neither)."""
+    import torch
+
     want = expected_shapes(shapes)
     for key, value in sent.items():
         if key not in want:
@@ -177,7 +187,6 @@ def state_factors(
     return out
 
 
-@torch.no_grad()
 def adopt(
     params: Mapping[str, torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
@@ -187,26 +196,28 @@ def adopt(
     bias it again by its own step count); returns how many parameters changed. Parameters
     without state or without merged factors keep theirs. A collective when parameters are
     sharded: every rank calls it with the same ``merged``."""
+    import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    changed = 0
-    for name, param in params.items():
-        state = optimizer.state.get(param, {})
-        if "exp_avg_sq" not in state:
-            continue
-        parts = _parts_of(merged, name)
-        if parts is None:
-            continue
-        v = state["exp_avg_sq"]
-        correction = bias_correction(optimizer, param)
-        new = rescaled(_full(v).float() / correction, parts) * correction
-        if isinstance(v, DTensor):
-            local = distribute_tensor(new.to(v.device), v.device_mesh, v.placements)
-            v.to_local().copy_(local.to_local())
-        else:
-            v.copy_(new)
-        changed += 1
-    return changed
+    with torch.no_grad():
+        changed = 0
+        for name, param in params.items():
+            state = optimizer.state.get(param, {})
+            if "exp_avg_sq" not in state:
+                continue
+            parts = _parts_of(merged, name)
+            if parts is None:
+                continue
+            v = state["exp_avg_sq"]
+            correction = bias_correction(optimizer, param)
+            new = rescaled(_full(v).float() / correction, parts) * correction
+            if isinstance(v, DTensor):
+                local = distribute_tensor(new.to(v.device), v.device_mesh, v.placements)
+                v.to_local().copy_(local.to_local())
+            else:
+                v.copy_(new)
+            changed += 1
+        return changed
 
 
 def _parts_of(merged: Mapping[str, Tensor], name: str) -> dict[str, Tensor] | None:

@@ -17,16 +17,18 @@ row updates, measured against rows the merge has since moved, do not claim those
 Measured in ``bench/quality.py`` (docs/quality.md, "Embedding rows weighted by their
 tokens"): at H=25 it takes three sites from 1.35 to 1.18 of centralised training's
 held-out perplexity in plain rounds, and from 1.44 to 1.36 in overlapped ones (the
-workflow's default): ``counts`` is the default of a new run.
+workflow's default): ``counts`` is the default of a new run. numpy and torch are imported
+where the arithmetic needs them: the run spec reads the modes when the workflow is read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    import numpy as np
+    from torch import Tensor
 
 #: the key prefix of row counts inside a delta file
 PREFIX = "rows::"
@@ -54,6 +56,9 @@ def count_key(param: str) -> str:
 def token_counts(windows: np.ndarray, vocab_size: int) -> Tensor:
     """How often each token id is an input (a window's every position but its last) in
     ``windows`` (rows of ``seq_len + 1`` token ids), as fp32 of length ``vocab_size``."""
+    import numpy as np
+    import torch
+
     inputs = np.asarray(windows)[..., :-1].reshape(-1).astype(np.int64, copy=False)
     if inputs.size and (inputs.min() < 0 or inputs.max() >= vocab_size):
         raise ValueError(f"a token id lies outside the vocabulary of {vocab_size}")
@@ -62,6 +67,8 @@ def token_counts(windows: np.ndarray, vocab_size: int) -> Tensor:
 
 def problem(counts: Mapping[str, Tensor], shapes: Mapping[str, Sequence[int]]) -> str | None:
     """What is wrong with a delta's row counts against the model's shapes (None: nothing)."""
+    import torch
+
     for key, value in counts.items():
         param = key.removeprefix(PREFIX)
         if param not in shapes:
@@ -79,6 +86,8 @@ def row_weights(counts: Sequence[Tensor | None], shares: Sequence[float]) -> Ten
     the row's total where any contributor saw the row, its token share where none did.
     ``counts`` and ``shares`` are the live contributors', in order; None when one of them
     sent no counts (the tensor is then merged with the token shares)."""
+    import torch
+
     if not counts or any(c is None for c in counts):
         return None
     n = torch.stack([c.to(torch.float64) for c in counts if c is not None])

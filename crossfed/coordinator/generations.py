@@ -44,7 +44,6 @@ from crossfed.coordinator.faults import crash_point
 from crossfed.outer import (
     DELTA_DTYPES,
     DeltaError,
-    OuterConfig,
     OuterStepReport,
     StateError,
     _check_keys,
@@ -52,6 +51,7 @@ from crossfed.outer import (
     stream_outer_step,
     token_shares,
 )
+from crossfed.outer_presets import OuterConfig
 from crossfed.wire.codecs import decoded
 from crossfed.wire.tensors import (
     Progress,

@@ -35,7 +35,8 @@ from crossfed.coordinator.generations import (
 )
 from crossfed.coordinator.objectstore import ModelUpload, ObjectStore, open_objects
 from crossfed.coordinator.s3blobs import Checked, check_object
-from crossfed.outer import OuterConfig, OuterStepReport
+from crossfed.outer import OuterStepReport
+from crossfed.outer_presets import OuterConfig
 from crossfed.wire.codecs import DecodedDelta, decoded
 from crossfed.wire.tensors import TensorFile
 

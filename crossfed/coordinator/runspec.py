@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from crossfed import moments, rowcounts
 from crossfed.darl.blockspace import BlockSpace, BlockSpaceError
 from crossfed.flavours import flavour_error
-from crossfed.outer import DEFAULT_PRESET, OuterConfig
+from crossfed.outer_presets import DEFAULT_PRESET, OuterConfig
 from crossfed.train.schedule import (
     DEFAULT_MIN_LR_FACTOR,
     LRSchedule,
@@ -172,7 +172,7 @@ def resolve_unset(spec: RunSpec, existing: RunSpec | None) -> RunSpec:
     """``spec`` with every setting its config may leave unset (None) decided: its outer
     preset, its second-moment mode, its embedding rows' weighting, its warmup and its
     learning-rate floor. One left unset takes the existing run's, or for a new run the
-    default (:data:`~crossfed.outer.DEFAULT_PRESET`, :data:`~crossfed.moments.DEFAULT_MODE`,
+    default (:data:`~crossfed.outer_presets.DEFAULT_PRESET`, :data:`~crossfed.moments.DEFAULT_MODE`,
     :data:`~crossfed.rowcounts.DEFAULT_MODE`,
     :func:`~crossfed.train.schedule.default_warmup_steps` of the run's length and
     :data:`~crossfed.train.schedule.DEFAULT_MIN_LR_FACTOR`).

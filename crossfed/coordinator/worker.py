@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from crossfed.coordinator.blobs import BlobError
 from crossfed.coordinator.guards import AuthGate
 from crossfed.coordinator.merger import LocalMerger, Written, shape_pairs, shapes_of
-from crossfed.outer import OuterConfig
+from crossfed.outer_presets import OuterConfig
 
 log = logging.getLogger("crossfed.worker")
 ADMIN = "admin"

@@ -337,7 +337,7 @@ def test_an_outer_preset_typo_is_refused_naming_it_and_the_presets() -> None:
 
 
 def test_the_schema_offers_exactly_the_outer_presets_the_code_runs() -> None:
-    from crossfed.outer import PRESET_NAMES
+    from crossfed.outer_presets import PRESET_NAMES
 
     schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
     enum = schema["properties"]["outer"]["properties"]["preset"]["enum"]

@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 from crossfed.coordinator.faults import ENV
 from crossfed.coordinator.service import Coordinator
-from crossfed.outer import OuterConfig, outer_step
+from crossfed.outer import outer_step
+from crossfed.outer_presets import OuterConfig
 from crossfed.wire.codecs import open_delta
 from crossfed.wire.digests import digest_file
 from crossfed.wire.tensors import StreamWriter

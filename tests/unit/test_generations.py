@@ -27,7 +27,8 @@ from crossfed.coordinator.generations import (
     write_generation,
 )
 from crossfed.coordinator.service import CoordinatorError
-from crossfed.outer import OuterConfig, StateError, outer_step, stream_outer_step
+from crossfed.outer import StateError, outer_step, stream_outer_step
+from crossfed.outer_presets import OuterConfig
 from crossfed.wire.codecs import open_delta, save_delta
 from crossfed.wire.digests import digest_file
 from crossfed.wire.tensors import StreamWriter, TensorFile, TensorSpec, save_tensors, stream_writer

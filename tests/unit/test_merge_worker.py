@@ -24,7 +24,7 @@ from crossfed.coordinator.embedded import (
 )
 from crossfed.coordinator.merger import LocalMerger, RemoteMerger, WorkerError
 from crossfed.coordinator.runspec import RunSpec
-from crossfed.outer import OuterConfig
+from crossfed.outer_presets import OuterConfig
 from crossfed.wire.digests import digest_file
 from tests.conftest import LiveCoordinator, stop, tiny_spec
 from tests.helpers.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS

@@ -15,18 +15,20 @@ from safetensors.torch import save_file
 
 from crossfed import outer
 from crossfed.outer import (
-    AVERAGE_STEP,
-    DEFAULT_PRESET,
-    PRESETS,
-    TUNED_BETA,
-    TUNED_SOLO_ETA,
     DeltaError,
-    OuterConfig,
     StateError,
     outer_step,
     stream_outer_step,
     token_shares,
     validate_delta,
+)
+from crossfed.outer_presets import (
+    AVERAGE_STEP,
+    DEFAULT_PRESET,
+    PRESETS,
+    TUNED_BETA,
+    TUNED_SOLO_ETA,
+    OuterConfig,
 )
 
 SHAPES = {

@@ -28,7 +28,7 @@ from bench.quality import (
 from crossfed import rowcounts
 from crossfed.darl.blockspace import BlockSpace
 from crossfed.data.windows import WindowStore
-from crossfed.outer import PRESETS
+from crossfed.outer_presets import PRESETS
 from crossfed.train.inner import InnerConfig
 from crossfed.train.model import parameters_of
 from crossfed.train.overlap import OverlapConfig

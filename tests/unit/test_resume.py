@@ -17,7 +17,7 @@ from crossfed.config import ConfigError, load_run_config, load_sites
 from crossfed.coordinator.runspec import RunSpec, RunSpecError, differences, run_spec
 from crossfed.coordinator.service import Coordinator, CoordinatorError
 from crossfed.coordinator.store import round_pause_s
-from crossfed.outer import DEFAULT_PRESET, OuterConfig
+from crossfed.outer_presets import DEFAULT_PRESET, OuterConfig
 from crossfed.resume import check_rerun, data_changes
 from crossfed.sched import cli as sched_cli
 from crossfed.sched.commands import build_parser as sched_parser
@@ -289,6 +289,41 @@ def _data_settings(data_dir: Path) -> dict:
 def _check(overrides: dict) -> None:
     config = load_run_config(None, overrides)
     check_rerun(config, load_sites(config))
+
+
+def test_reading_the_workflow_of_a_run_in_progress_imports_no_torch(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    """Every Snakemake parse (each rerun, and each Slurm job's own) imports what
+    rules/*.smk import and checks the rerun against run.json: no torch (seconds per parse,
+    minutes on a parallel filesystem), no pandas."""
+    overrides = _workdir(tmp_path, tiny_data)
+    imports = [
+        line
+        for smk in sorted((REPO / "rules").glob("*.smk"))
+        for line in smk.read_text().splitlines()
+        if line.startswith(("from crossfed", "import crossfed"))
+    ]
+    assert any("check_rerun" in line for line in imports), imports
+    code = "\n".join(
+        [
+            "import json, sys",
+            *imports,
+            "config = load_run_config(None, json.loads(sys.argv[1]))",
+            "check_rerun(config, load_sites(config))",
+            "print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))",
+        ]
+    )
+    code = code.replace("import ConfigError,", "import ConfigError, load_run_config,")
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(overrides)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_more_rounds_pass_and_finished_rounds_cannot_be_dropped(

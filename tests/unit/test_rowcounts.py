@@ -19,7 +19,8 @@ from crossfed.coordinator import generations
 from crossfed.coordinator.generations import merge_step
 from crossfed.coordinator.runspec import RunSpec, RunSpecError, resolve_unset
 from crossfed.coordinator.service import Coordinator
-from crossfed.outer import OuterConfig, outer_step, stream_outer_step
+from crossfed.outer import outer_step, stream_outer_step
+from crossfed.outer_presets import OuterConfig
 from crossfed.wire.codecs import open_delta, save_delta
 from crossfed.wire.tensors import save_tensors
 from tests.conftest import chunked, digest_of, tiny_spec
