@@ -237,13 +237,17 @@ def uses_autocast(device: str, ranks: Ranks) -> bool:
 
 
 def full_parameters(model: torch.nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
-    """Every trainable parameter whole (a collective when sharded: all ranks must call)."""
+    """Every trainable parameter whole, a copy that later steps leave as it is (a collective
+    when sharded: all ranks must call). A CPU parameter's ``.cpu()`` is the parameter
+    itself: without the copy, weights kept for a later fold-in would move with the model."""
     out = {}
     for name, param in parameters_of(model).items():
         value = param.detach()
         if isinstance(value, DTensor):
-            value = value.full_tensor()
-        out[name] = value.cpu() if cpu else value
+            value = value.full_tensor()  # a new tensor: already a copy
+            out[name] = value.cpu() if cpu else value
+        else:
+            out[name] = value.to("cpu", copy=True) if cpu else value.clone()
     return out
 
 

@@ -16,8 +16,11 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
+from crossfed import moments
 from crossfed.config import RunConfig, load_run_config, load_sites
 from crossfed.coordinator.runspec import LeasePolicy
 from crossfed.report import goodput
@@ -76,13 +79,28 @@ class HeldBack(SiteRunner):
         super().__init__(*args, **kwargs)
         #: per round: the window its row counts start at, the windows trained, their sum
         self.counted: dict[int, tuple[int, int, int]] = {}
+        #: per round: set once the phase's steps are done (before any wait for the merge)
+        self.trained = {r: threading.Event() for r in range(1, ROUNDS + 1)}
+        #: per round: the model tensors of the delta the site sent (side tensors left out)
+        self.sent_deltas: dict[int, dict[str, torch.Tensor]] = {}
 
     def _train(self, round_no, fold, state, beat):  # type: ignore[no-untyped-def]
         gate = self.gates.get(round_no)
         if gate is not None:  # longer than any scenario's own waits, which name what is
             # late; this one only ends a thread the scenario forgot
             assert gate.wait(900), f"{self.s.site} was never let train round {round_no}"
-        return super()._train(round_no, fold, state, beat)
+        state = super()._train(round_no, fold, state, beat)
+        self.trained[round_no].set()
+        return state
+
+    def _checkpoint(self, round_no, start, state, outcome):  # type: ignore[no-untyped-def]
+        pending = super()._checkpoint(round_no, start, state, outcome)
+        if pending is not None:  # rank 0: the delta file before it is sent
+            tensors = load_file(pending.delta)
+            self.sent_deltas[round_no] = {
+                k: v for k, v in tensors.items() if not moments.is_side_key(k)
+            }
+        return pending
 
     def _row_counts(self, start, state):  # type: ignore[no-untyped-def]
         counts = super()._row_counts(start, state)
@@ -219,6 +237,40 @@ def test_a_site_trains_its_next_lease_while_its_delta_is_merged(
     jobs = [chain.to_dict() for chain in chains.values()]  # type: ignore[attr-defined]
     run_goodput = goodput(jobs)
     assert run_goodput is not None and 0 < run_goodput < 1
+
+
+def test_a_phase_folded_at_its_end_sends_the_steps_it_trained_before_the_fold(
+    coordinator: LiveCoordinator, tiny_data: Path, tmp_path: Path
+) -> None:
+    """With the whole phase allowed before the fold-in (``max_stale: 1``), snellius trains
+    all of round 2 while round 1 waits for frontier, and folds the merged model in at the
+    phase's end: ``rebase`` keeps every step, so the delta it sends for round 2, measured
+    against generation 1, carries them. (On CPU the weights kept for the fold-in once moved
+    with the model, and this delta was all zeros.)"""
+    gate = threading.Event()  # frontier trains round 1 once snellius has trained round 2
+    held = {"snellius": {}, "frontier": {1: gate}}
+    runners: dict[str, SiteRunner] = {}
+    outcomes, _chains, errors, threads = start_pair(
+        coordinator, tiny_data, tmp_path, held, runners,
+        overlap={"max_stale": 1.0, "stale_burst": 0},
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not gate.is_set() and time.monotonic() < deadline and not errors:
+        ahead = runners.get("snellius")
+        if ahead is not None and ahead.trained[2].is_set():  # type: ignore[attr-defined]
+            gate.set()
+        time.sleep(0.1)
+    gate.set()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not errors, errors
+    folded = outcomes["snellius"][2]
+    assert folded.status == "accepted" and folded.fold_step == folded.steps >= 1, folded
+    delta = runners["snellius"].sent_deltas[2]  # type: ignore[attr-defined]
+    moved = sum(float(t.float().abs().sum()) for t in delta.values())
+    assert moved > 0, "the delta of a phase folded at its end lost the phase's steps"
+    # measured against the merged model it folded in, round 2's generation
+    assert folded.generation == coordinator.client().round_info(2)["generation"]
 
 
 def test_a_site_that_waits_for_the_merge_round_after_round_is_told_what_hides_it(

@@ -14,7 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crossfed.train.distributed import DistributedError, torchrun_argv
+from crossfed.train.distributed import (
+    DistributedError,
+    full_parameters,
+    load_full_parameters,
+    torchrun_argv,
+)
 from crossfed.train.inner import LeaseWindows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +76,24 @@ def test_torchrun_fsdp_matches_the_single_process_simulation(
     assert set(real_params) == set(sim_params)
     for name, value in real_params.items():
         assert torch.allclose(value, sim_params[name], atol=1e-5), name
+
+
+def test_full_parameters_is_a_copy_that_later_steps_leave_alone() -> None:
+    """On CPU a parameter's ``.cpu()`` is the parameter itself: the weights a site keeps for
+    its fold-in must not move with the model (they did, and an overlapped phase that folded
+    at its end sent a delta of zeros)."""
+    model = torch.nn.Linear(4, 3)
+    kept = full_parameters(model)
+    before = {name: value.clone() for name, value in kept.items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    assert all(torch.equal(kept[name], before[name]) for name in kept)
+    assert not torch.equal(model.weight.detach(), before["weight"])  # the model moved
+    load_full_parameters(model, kept)  # and the copy restores it
+    assert torch.equal(model.weight.detach(), before["weight"])
+    on_device = full_parameters(model, cpu=False)
+    assert on_device["weight"].data_ptr() != model.weight.data_ptr()
 
 
 def test_torchrun_command_for_one_node_and_for_several() -> None:
