@@ -178,34 +178,23 @@ def test_an_unset_floor_is_half_the_peak_for_a_new_run_and_stays_the_runs_own(
             RunSpec.from_dict({**tenth.to_dict(), "schedule": {"min_lr_factor": bad}})
 
 
-def test_a_run_recorded_before_the_floor_default_reruns_and_extends_unchanged(
-    tmp_path: Path, tiny_data: Path
+@pytest.mark.parametrize(
+    ("setting", "before", "other"), [("warmup_steps", 10, 20), ("min_lr_factor", 0.1, 0.3)]
+)
+def test_a_run_recorded_before_a_schedule_default_reruns_and_extends_unchanged(
+    tmp_path: Path, tiny_data: Path, setting: str, before: float, other: float
 ) -> None:
     overrides = _workdir(tmp_path, tiny_data)
-    assert load_run_config(None, overrides).inner.min_lr_factor is None  # the default config
+    inner = load_run_config(None, overrides).inner
+    assert getattr(inner, setting) is None  # the default config leaves it unset
     run_json = tmp_path / "results" / "run.json"
     record = json.loads(run_json.read_text())
-    record["spec"]["schedule"]["min_lr_factor"] = 0.1  # what the default config gave before
+    record["spec"]["schedule"][setting] = before  # what the default config gave before
     run_json.write_text(json.dumps(record))
-    _check(overrides)  # the config leaves the floor unset: the run's own (0.1)
+    _check(overrides)  # the config leaves it unset: the run's own
     _check({**overrides, "rounds": 10})
-    with pytest.raises(ConfigError, match="schedule.min_lr_factor: 0.1 -> 0.3"):
-        _check({**overrides, "inner": {"min_lr_factor": 0.3}})
-
-
-def test_a_run_recorded_before_the_warmup_default_reruns_and_extends_unchanged(
-    tmp_path: Path, tiny_data: Path
-) -> None:
-    overrides = _workdir(tmp_path, tiny_data)
-    assert load_run_config(None, overrides).inner.warmup_steps is None  # the default config
-    run_json = tmp_path / "results" / "run.json"
-    record = json.loads(run_json.read_text())
-    record["spec"]["schedule"]["warmup_steps"] = 10  # what the default config gave before
-    run_json.write_text(json.dumps(record))
-    _check(overrides)  # the config leaves the warmup unset: the run's own (10)
-    _check({**overrides, "rounds": 10})
-    with pytest.raises(ConfigError, match="schedule.warmup_steps: 10 -> 20"):
-        _check({**overrides, "inner": {"warmup_steps": 20}})
+    with pytest.raises(ConfigError, match=f"schedule.{setting}: {before} -> {other}"):
+        _check({**overrides, "inner": {setting: other}})
 
 
 def test_a_run_recorded_before_outer_presets_reruns_unchanged(
