@@ -17,12 +17,15 @@ Python build yields the same bytes and the held-out tail is a mix of all sources
 from __future__ import annotations
 
 import ast
+import contextlib
 import gzip
 import hashlib
 import importlib
 import inspect
 import json
+import os
 import re
+import sys
 import sysconfig
 import unicodedata
 import warnings
@@ -34,7 +37,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO
 
-from crossfed.fileio import atomic_file
+import platformdirs
+
+from crossfed.fileio import atomic_file, write_atomic
 
 SHARD_PATTERNS = ("*.json.gz", "*.jsonl.gz", "*.jsonl", "*.json")
 EMBEDDED_TIMESTAMP = "2019-04-18T00:00:00Z"  # constant, so shard bytes never depend on a clock
@@ -190,13 +195,21 @@ def _c_module_documents() -> Iterator[tuple[str, list[tuple[str, str]]]]:
 
 
 def _stdlib_sources() -> Iterator[tuple[str, Path]]:
+    """The standard library's ``.py`` files, ``(path relative to its root, path)``, sorted;
+    the trees of ``_SKIP_PARTS`` and ``config-*`` are never entered."""
     root = Path(sysconfig.get_path("stdlib"))
     found = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if _SKIP_PARTS.intersection(rel.parts) or rel.parts[0].startswith("config-"):
-            continue
-        found.append((rel.as_posix(), path))
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        top = here == root
+        dirs[:] = [
+            d for d in dirs if d not in _SKIP_PARTS and not (top and d.startswith("config-"))
+        ]
+        found += [
+            ((here / f).relative_to(root).as_posix(), here / f)
+            for f in files
+            if f.endswith(".py") and not (top and f.startswith("config-"))
+        ]
     return iter(sorted(found))
 
 
@@ -286,9 +299,49 @@ def _url_key(doc: Document) -> str:
 
 
 def embedded_documents(max_documents: int | None = None) -> list[Document]:
-    """The embedded corpus in its deterministic order (first ``max_documents`` generated)."""
-    docs = list(islice(_raw_documents(), max_documents))
-    return sorted(docs, key=_url_key)
+    """The embedded corpus in its deterministic order (first ``max_documents`` generated).
+
+    The whole corpus is read from the user's cache when this Python's standard library and
+    this module are those it was generated from (:func:`cache_path`), else generated (some
+    seconds: every stdlib file is parsed) and cached; a cache that cannot be read or written
+    is regenerated or skipped, never an error."""
+    if max_documents is not None:
+        return sorted(islice(_raw_documents(), max_documents), key=_url_key)
+    cache = cache_path()
+    if (docs := _read_cache(cache)) is not None:
+        return docs
+    docs = sorted(_raw_documents(), key=_url_key)
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(cache, json.dumps([[d.url, d.text] for d in docs], ensure_ascii=False))
+    return docs
+
+
+def cache_path() -> Path:
+    """Where the generated corpus of this Python and this version of crossfed is cached:
+    ``<user cache>/crossfed/embedded-corpus/<key>.json`` (``$XDG_CACHE_HOME``, else
+    ``~/.cache``, on Linux). The key digests what the corpus is made of: this module's
+    source, the interpreter's version and the name, size and mtime of every stdlib file read."""
+    root = Path(sysconfig.get_path("stdlib"))
+    files = [(rel, path.stat()) for rel, path in _stdlib_sources()]
+    made_of = {
+        "generator": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "python": [sys.version, sys.platform, str(root)],
+        "files": [[rel, st.st_size, st.st_mtime_ns] for rel, st in files],
+    }
+    key = hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:32]
+    return Path(platformdirs.user_cache_dir("crossfed")) / "embedded-corpus" / f"{key}.json"
+
+
+def _read_cache(path: Path) -> list[Document] | None:
+    """The documents cached at ``path``; None if it is missing or not a cache's content."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        docs = [Document(url, text) for url, text in rows]
+    except (OSError, ValueError, TypeError):
+        return None
+    ok = all(isinstance(d.url, str) and isinstance(d.text, str) for d in docs)
+    return docs if ok and docs else None
 
 
 def shard_name(index: int, shards: int) -> str:

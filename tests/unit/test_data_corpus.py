@@ -7,13 +7,16 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from crossfed.data import corpus
 from crossfed.data.corpus import (
     CorpusError,
     Document,
+    cache_path,
     embedded_documents,
     iter_documents,
     iter_records,
@@ -39,8 +42,29 @@ def record(text: str, url: str = "https://example.org/") -> str:
 
 
 @pytest.fixture(scope="module")
-def full_docs() -> list[Document]:
-    return embedded_documents()
+def full_docs(tmp_path_factory: pytest.TempPathFactory) -> list[Document]:
+    """The whole corpus generated here (an empty user cache), then read from its cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        assert not cache_path().exists()
+        docs = embedded_documents()
+        assert cache_path().is_file()
+        mp.setattr(corpus, "_raw_documents", _not_generated)
+        assert embedded_documents() == docs  # from the cache, not generated again
+    return docs
+
+
+def _not_generated() -> Iterator[Document]:
+    raise AssertionError("the corpus was generated although its cache holds it")
+
+
+@pytest.fixture
+def small_generator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Document]:
+    """An empty user cache under ``tmp_path`` and a generator of three documents."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    docs = [Document(f"python://test/{k}", f"text {k}") for k in range(3)]
+    monkeypatch.setattr(corpus, "_raw_documents", lambda: iter(docs))
+    return sorted(docs, key=corpus._url_key)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +106,42 @@ def test_same_bytes_every_run_and_across_hash_seeds(tmp_path: Path) -> None:
         c = tmp_path / "c" / a.name
         assert a.read_bytes() == b.read_bytes() == c.read_bytes()
         assert a.read_bytes()[4:8] == b"\0\0\0\0"  # gzip mtime
+
+
+def test_a_damaged_cache_is_generated_again_and_rewritten(
+    small_generator: list[Document],
+) -> None:
+    for damage in ("", "{not json", '[["python://test/0"]]', "[]", '{"a": 1}', "[[1, 2]]"):
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+        cache_path().write_text(damage)
+        assert embedded_documents() == small_generator, damage
+        rows = json.loads(cache_path().read_text())
+        assert rows == [[d.url, d.text] for d in small_generator]
+
+
+def test_a_cache_that_cannot_be_written_is_skipped(
+    small_generator: list[Document], tmp_path: Path
+) -> None:
+    (tmp_path / "cache").write_text("a file where the cache folder would be")
+    assert embedded_documents() == small_generator
+    assert embedded_documents() == small_generator
+
+
+def test_the_cache_key_follows_every_stdlib_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "pkg").mkdir()
+    listing = [(name, tmp_path / name) for name in ("a.py", "pkg/b.py")]
+    for _, path in listing:
+        path.write_text('"""doc"""\n')
+    monkeypatch.setattr(corpus, "_stdlib_sources", lambda: iter(listing))
+    first = cache_path()
+    assert cache_path() == first
+    listing[1][1].write_text('"""another doc"""\n')
+    second = cache_path()
+    assert second != first
+    monkeypatch.setattr(corpus, "_stdlib_sources", lambda: iter(listing[:1]))
+    assert cache_path() not in {first, second}
 
 
 def test_subset_is_a_prefix_of_generation(tmp_path: Path) -> None:
