@@ -48,7 +48,9 @@ bf16) and send bf16 deltas measured against it, while the outer step runs on the
   ``--overlap-rule`` ``rebase`` (default; the delayed outer update of Kale et al. 2025,
   arXiv 2502.12996: theta <- merged + theta - sent) or ``mix`` (Streaming DiLoCo, Douillard
   et al. 2025, arXiv 2501.18512: theta <- alpha * theta + (1 - alpha) * merged, alpha from
-  ``--overlap-alpha``, default 0.5). ``--overlap-eager``, ``--overlap-counts all`` and
+  ``--overlap-alpha``, default 0.5). ``--overlap-stale-weight W`` (default the workflow's
+  ``overlap.stale_weight``, 1) keeps the stale steps with weight W in the rebase:
+  theta <- merged + W * (theta - sent). ``--overlap-eager``, ``--overlap-counts all`` and
   ``--overlap-embedding merged`` are levers and diagnostics of the stale steps
   (docs/quality.md).
 
@@ -534,6 +536,8 @@ def overlap_tau(fraction: float, H: int) -> int:
 def overlap_name(S: int, config: OverlapConfig, tau: int, tag: str = "") -> str:
     """The overlap row's name, e.g. ``DiLoCo 3 sites, overlap (rebase, tau=2)``."""
     rule = config.rule if config.rule == "rebase" else f"{config.rule} alpha={config.alpha:g}"
+    if config.rule == "rebase" and config.stale_weight != 1.0:
+        rule += f", stale weight {config.stale_weight:g}"
     return f"DiLoCo {S} sites, overlap ({rule}, tau={tau}){tag}"
 
 
@@ -677,7 +681,12 @@ def train_one(args, store, val, seed: int, H: int, variants: list[str], outers) 
 
 def overlap_config(args) -> OverlapConfig:
     """The overlap row's fold-in rule from the command line."""
-    return OverlapConfig(enabled=True, rule=args.overlap_rule, alpha=args.overlap_alpha)
+    return OverlapConfig(
+        enabled=True,
+        rule=args.overlap_rule,
+        alpha=args.overlap_alpha,
+        stale_weight=args.overlap_stale_weight,
+    )
 
 
 def train_cell(args, data: Path, seed: int, H: int, outers) -> dict:
@@ -726,6 +735,10 @@ def main() -> None:
                         help="how the overlap row folds in the merged model")  # fmt: skip
     parser.add_argument("--overlap-alpha", type=float, default=0.5,
                         help="the site's weight in the mix rule (Streaming DiLoCo)")  # fmt: skip
+    parser.add_argument("--overlap-stale-weight", type=float,
+                        default=OverlapConfig().stale_weight,
+                        help="with rebase: the weight the fold-in keeps the stale steps with "
+                        "(the workflow's overlap.stale_weight; 0 drops their update)")  # fmt: skip
     parser.add_argument("--overlap-eager", action="store_true",
                         help="with rebase: the stale steps start from the site's estimate of "
                         "the coming merge (its own delta's share plus the other sites' share "
@@ -805,6 +818,11 @@ def main() -> None:
         parser.error(f"--adam-every must be a positive number of merges, got {args.adam_every}")
     if args.overlap_eager and args.overlap_rule != "rebase":
         parser.error(f"--overlap-eager rebases the stale steps; --overlap-rule {args.overlap_rule}")
+    if args.overlap_stale_weight != 1.0 and args.overlap_rule != "rebase":
+        parser.error("--overlap-stale-weight weighs the rebased stale steps; "
+                     f"--overlap-rule {args.overlap_rule}")  # fmt: skip
+    if not 0.0 <= args.overlap_stale_weight <= 1.0:
+        parser.error(f"--overlap-stale-weight must be in [0, 1], got {args.overlap_stale_weight}")
     try:
         args.steps_by_h = regime_steps(args.regime, args.inner_steps, args.steps)
     except ValueError as exc:
@@ -935,6 +953,7 @@ def main() -> None:
         result["overlap"] = {
             "rule": overlap.rule,
             "alpha": overlap.alpha,
+            "stale_weight": overlap.stale_weight,
             "delay_fraction": args.overlap_delay,
             "eager": args.overlap_eager,
             "tau": {str(H): tau for H, tau in taus.items()},

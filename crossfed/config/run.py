@@ -198,6 +198,7 @@ class OverlapSection(Section):
     alpha: float
     max_stale: float
     stale_burst: float
+    stale_weight: float
 
 
 @dataclass(frozen=True)

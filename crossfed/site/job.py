@@ -234,6 +234,7 @@ def site_settings(
             alpha=overlap.alpha,
             max_stale=overlap.max_stale,
             stale_burst=overlap.stale_burst,
+            stale_weight=overlap.stale_weight,
         ),
         lease_wait_s=config.darl.initial_ttl_s + config.round_policy.join_window_s + 30.0,
     )

@@ -36,6 +36,17 @@ def test_a_fold_in_with_no_step_since_the_send_is_the_merged_model_exactly() -> 
         assert out[name].dtype == theta[name].dtype and torch.equal(out[name], merged[name])
 
 
+def test_a_stale_weight_keeps_that_share_of_the_steps_since_the_send() -> None:
+    theta, sent = {"w": torch.tensor([5.0, -1.0])}, {"w": torch.tensor([1.0, 3.0])}
+    merged = {"w": torch.tensor([10.0, 20.0])}
+    for weight, expected in ((1.0, [14.0, 16.0]), (0.5, [12.0, 18.0]), (0.0, [10.0, 20.0])):
+        config = OverlapConfig(enabled=True, stale_weight=weight)
+        assert torch.equal(fold_in(theta, sent, merged, config)["w"], torch.tensor(expected))
+    mix = OverlapConfig(enabled=True, rule="mix", alpha=0.25, stale_weight=0.0)  # rebase only
+    mixed = 0.25 * theta["w"] + 0.75 * merged["w"]
+    assert torch.equal(fold_in(theta, sent, merged, mix)["w"], mixed)
+
+
 def test_mix_is_streaming_diloco_alpha_of_own_weights() -> None:
     theta, merged = {"w": torch.full((2,), 3.0)}, {"w": torch.full((2,), 11.0)}
     config = OverlapConfig(enabled=True, rule="mix", alpha=0.25)
@@ -63,6 +74,7 @@ def test_bad_overlap_settings_name_the_problem(tmp_path) -> None:
         "alpha": 0.5,
         "max_stale": 0.25,
         "stale_burst": 0.75,
+        "stale_weight": 1.0,
     }
     plain = load_run_config(write_yaml(tmp_path / "off.yaml", {"overlap": {"enabled": False}}))
     assert plain.overlap.enabled is False
@@ -73,6 +85,14 @@ def test_bad_overlap_settings_name_the_problem(tmp_path) -> None:
         OverlapConfig.of({"stale_burst": 1.5})
     with pytest.raises(OverlapConfigError, match="overlap.stale_burst must be a number"):
         OverlapConfig.of({"stale_burst": "lots"})
+    with pytest.raises(OverlapConfigError, match=r"overlap.stale_weight must be in \[0, 1\]"):
+        OverlapConfig.of({"stale_weight": 2})
+    assert OverlapConfig.of({"stale_weight": 0}).stale_weight == 0.0
+    path = write_yaml(tmp_path / "weight.yaml", {"overlap": {"stale_weight": 1.5}})
+    with pytest.raises(ConfigError, match="stale_weight"):
+        load_run_config(path)
+    path = write_yaml(tmp_path / "half.yaml", {"overlap": {"stale_weight": 0.5}})
+    assert load_run_config(path).overlap.stale_weight == 0.5
     path = write_yaml(tmp_path / "burst.yaml", {"overlap": {"stale_burst": -0.1}})
     with pytest.raises(ConfigError, match="stale_burst"):
         load_run_config(path)
