@@ -15,7 +15,7 @@ from crossfed.train.overlap import (
     StaleBudget,
     fold_in,
 )
-from tests.conftest import write_yaml
+from tests.conftest import REPO, write_yaml
 
 values = st.lists(st.floats(-4, 4, allow_nan=False, width=32), min_size=3, max_size=3)
 
@@ -153,3 +153,16 @@ def test_long_merge_waits_are_named_once_when_they_persist() -> None:
     assert waits.advice(9.0, 20.0) is None  # once a job
     other = MergeWaits(max_stale=0.5)
     assert other.advice(2.0, 0.0) is None and "beside the phase" in (other.advice(2.0, 0.0) or "")
+
+
+def test_every_overlap_setting_reaches_the_site_job(tmp_path) -> None:
+    """The site job's fold-in runs with the config's overlap section, key for key."""
+    from crossfed.config import load_sites
+    from crossfed.site.job import site_settings
+
+    raw = {"enabled": True, "rule": "rebase", "alpha": 0.3, "max_stale": 0.5,
+           "stale_burst": 0.2, "stale_weight": 0.25}  # fmt: skip
+    sites = str(REPO / "config" / "sites.yaml")
+    config = load_run_config(write_yaml(tmp_path / "c.yaml", {"overlap": raw, "sites_file": sites}))
+    settings = site_settings(config, "lumi", load_sites(config)["lumi"])
+    assert settings.overlap == OverlapConfig(**raw)
