@@ -18,7 +18,7 @@ Two published rules, with ``theta`` the site's weights when the merged model arr
   ``stale_weight`` (default 1) scales what it keeps: ``theta <- merged + stale_weight *
   (theta - sent)``; 0 drops those steps' update (the merged model as it is; their gradients
   live on only in the AdamW moments), which the quality benchmark measures better at H=25
-  (docs: Quality, "Stale steps kept at a weight").
+  and worse at H=100 (docs: Quality, "Stale steps kept at a weight").
 * ``mix`` (Streaming DiLoCo's overlapped outer sync, Douillard et al. 2025, arXiv
   2501.18512, mixing weight ``alpha``, 0.5 there): ``theta <- alpha * theta +
   (1 - alpha) * merged``.
