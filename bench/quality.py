@@ -125,7 +125,7 @@ from crossfed.train.inner import (
     run_inner_phase,
 )
 from crossfed.train.model import LOCAL_FLAVOURS, build_model, load_parameters, parameters_of
-from crossfed.train.overlap import RULES, OverlapConfig, fold_in
+from crossfed.train.overlap import RULES, OverlapConfig, OverlapConfigError, fold_in
 from crossfed.train.schedule import DEFAULT_MIN_LR_FACTOR, LRSchedule, default_warmup_steps
 from crossfed.wire.deltas import delta_of
 
@@ -821,8 +821,10 @@ def main() -> None:
     if args.overlap_stale_weight != 1.0 and args.overlap_rule != "rebase":
         parser.error("--overlap-stale-weight weighs the rebased stale steps; "
                      f"--overlap-rule {args.overlap_rule}")  # fmt: skip
-    if not 0.0 <= args.overlap_stale_weight <= 1.0:
-        parser.error(f"--overlap-stale-weight must be in [0, 1], got {args.overlap_stale_weight}")
+    try:
+        overlap_config(args)  # its own checks (alpha, the stale weight) name the problem
+    except OverlapConfigError as exc:
+        parser.error(str(exc))
     try:
         args.steps_by_h = regime_steps(args.regime, args.inner_steps, args.steps)
     except ValueError as exc:

@@ -228,13 +228,6 @@ def site_settings(
         checkpoint_every=inner.checkpoint_every,
         checkpoint_background=inner.checkpoint_background,
         rounds=config.rounds,
-        overlap=OverlapConfig(
-            enabled=overlap.enabled,
-            rule=overlap.rule,
-            alpha=overlap.alpha,
-            max_stale=overlap.max_stale,
-            stale_burst=overlap.stale_burst,
-            stale_weight=overlap.stale_weight,
-        ),
+        overlap=OverlapConfig(**overlap.as_dict()),  # the section's keys are its fields
         lease_wait_s=config.darl.initial_ttl_s + config.round_policy.join_window_s + 30.0,
     )

@@ -39,7 +39,7 @@ Pure: tensors in, tensors out; the runner applies the result to its model.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -94,17 +94,16 @@ class OverlapConfig:
             return cls(enabled=raw)
         if not isinstance(raw, Mapping):
             raise OverlapConfigError(f"overlap must be true, false or a mapping, got {raw!r}")
-        known = {"enabled", "rule", "alpha", "max_stale", "stale_burst", "stale_weight"}
-        unknown = sorted(set(raw) - known)
+        defaults = {f.name: f.default for f in fields(cls)}
+        unknown = sorted(set(raw) - set(defaults))
         if unknown:
             raise OverlapConfigError(f"unknown overlap setting(s): {', '.join(unknown)}")
         enabled = raw.get("enabled", True)
         if not isinstance(enabled, bool):
             raise OverlapConfigError(f"overlap.enabled must be true or false, got {enabled!r}")
         numbers = {}
-        defaults = {"alpha": 0.5, "max_stale": 0.25, "stale_burst": 0.75, "stale_weight": 1.0}
-        for key, default in defaults.items():
-            value = raw.get(key, default)
+        for key in ("alpha", "max_stale", "stale_burst", "stale_weight"):
+            value = raw.get(key, defaults[key])
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise OverlapConfigError(f"overlap.{key} must be a number, got {value!r}")
             numbers[key] = float(value)
